@@ -1,0 +1,246 @@
+"""servegate's own configuration: one YAML file, `SERVEGATE_…` env overrides, CLI flags.
+
+Errors name the field, the file position and what to do, because a gateway that
+starts with a silently ignored setting is worse than one that refuses to start.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from servegate.pool.endpoint import Endpoint, Role
+
+ENV_PREFIX = "SERVEGATE_"
+
+
+class ConfigError(Exception):
+    """A configuration problem, with a message meant for the person fixing it."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class GatewaySettings(_Strict):
+    host: str = "0.0.0.0"
+    port: int = Field(8080, ge=0, le=65535)
+    api_keys: tuple[str, ...] = ()
+    """Bearer keys accepted on /v1/*; empty = no authentication."""
+    max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    connect_timeout_s: PositiveFloat = 5.0
+    first_byte_timeout_s: PositiveFloat = 300.0
+    """Until the upstream's response headers; vLLM sends them at once when streaming."""
+    total_timeout_s: PositiveFloat = 1800.0
+    max_retries: int = Field(2, ge=0, le=10)
+    """Extra attempts on other endpoints, only before the first byte reaches the client."""
+    debug_headers: bool = False
+    """Adds `x-servegate-scores` with every endpoint's per-scorer scores."""
+    access_log: bool = True
+    seed: int | None = None
+    """Seeds the scheduler's tie-breaking; None = random."""
+
+
+class HealthSettings(_Strict):
+    interval_s: PositiveFloat = 1.0
+    timeout_s: PositiveFloat = 1.0
+    failure_threshold: int = Field(2, ge=1)
+    success_threshold: int = Field(1, ge=1)
+    models_refresh_every: int = Field(10, ge=1)
+    """Re-read the replica's /v1/models every N probes (LoRA adapters come and go)."""
+
+
+class EndpointConfig(_Strict):
+    url: str
+    engine: str | None = None
+    """Engine type; default from the `llm-d.ai/engine-type` label, else `vllm`."""
+    role: Role | None = None
+    model: str | None = None
+    """The base model served; None = learn it from the replica's /v1/models."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    metrics_url: str | None = None
+    kv_events: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
+            raise ValueError(f"endpoint url must look like http://host:port, got {value!r}")
+        return value.rstrip("/")
+
+    def to_endpoint(self, pool: str) -> Endpoint:
+        parts = urlsplit(self.url)
+        address = f"{parts.hostname}:{parts.port}"
+        engine = self.engine or self.labels.get("llm-d.ai/engine-type", "vllm")
+        role = self.role
+        if role is None:
+            label = self.labels.get("llm-d.ai/role")
+            role = Role(label) if label in {r.value for r in Role} else Role.BOTH
+        model = self.model or self.labels.get("llm-d.ai/model")
+        return Endpoint(
+            address=address,
+            url=self.url,
+            engine=engine,
+            role=role,
+            model=model,
+            labels=dict(self.labels),
+            metrics_url=self.metrics_url,
+            kv_events=self.kv_events,
+            pool=pool,
+        )
+
+
+class ModelDeclaration(_Strict):
+    id: str
+    parent: str | None = None
+
+
+class PoolSettings(_Strict):
+    name: str = "default"
+    endpoints: tuple[EndpointConfig, ...] = ()
+    models: tuple[ModelDeclaration, ...] = ()
+    """Models (and LoRA adapters with their `parent`) known before any replica answers."""
+    scrape_interval_s: float = Field(0.1, ge=0.05)
+    metrics_staleness_s: PositiveFloat = 2.0
+    health: HealthSettings = HealthSettings()
+    engines: tuple[dict[str, Any], ...] = ()
+    """User-defined engines, llm-d `engineConfigs` shape."""
+
+
+class ServegateConfig(_Strict):
+    gateway: GatewaySettings = GatewaySettings()
+    pool: PoolSettings = PoolSettings()
+    picker: dict[str, Any] | str | None = None
+    """An EndpointPickerConfig document, inline or a path to one; None = the default profile."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def picker_document(self, base_dir: Path | None = None) -> dict[str, Any] | str | None:
+        """The picker config as a mapping or YAML text, reading a path if one was given."""
+        if isinstance(self.picker, str):
+            path = Path(self.picker)
+            if base_dir is not None and not path.is_absolute():
+                path = base_dir / path
+            try:
+                return path.read_text()
+            except OSError as exc:
+                raise ConfigError(f"picker: cannot read {path}: {exc.strerror}") from exc
+        return self.picker
+
+
+# -- loading ---------------------------------------------------------------------
+
+Positions = dict[tuple[str | int, ...], str]
+
+
+def _positions(node: yaml.Node, source: str, path: tuple[str | int, ...] = ()) -> Positions:
+    out: Positions = {path: f"{source}:{node.start_mark.line + 1}:{node.start_mark.column + 1}"}
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            out.update(_positions(value, source, (*path, str(key.value))))
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            out.update(_positions(item, source, (*path, index)))
+    return out
+
+
+def _set_path(doc: dict[str, Any], path: list[str], value: Any) -> None:
+    cursor = doc
+    for key in path[:-1]:
+        nxt = cursor.get(key)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            cursor[key] = nxt
+        cursor = nxt
+    cursor[path[-1]] = value
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """`SERVEGATE_GATEWAY__PORT=9000` → {"gateway": {"port": 9000}}; values are YAML scalars."""
+    doc: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        path = [part.lower() for part in name[len(ENV_PREFIX) :].split("__")]
+        try:
+            value = yaml.safe_load(raw) if raw else raw
+        except yaml.YAMLError:
+            value = raw
+        _set_path(doc, path, value)
+    return doc
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _format_errors(exc: ValidationError, positions: Positions) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        where = ""
+        for cut in range(len(loc), -1, -1):
+            if loc[:cut] in positions:
+                where = f" ({positions[loc[:cut]]})"
+                break
+        dotted = ".".join(str(p) for p in loc) or "<root>"
+        message = err["msg"]
+        if err["type"] == "extra_forbidden":
+            message = "unknown field; remove it or check its spelling"
+        lines.append(f"  {dotted}{where}: {message}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def parse_config(
+    text: str,
+    source: str = "<config>",
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ServegateConfig:
+    try:
+        node = yaml.compose(text) if text.strip() else None
+        raw = yaml.safe_load(text) if node is not None else {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping, got {type(raw).__name__}")
+    positions = _positions(node, source) if node is not None else {}
+    doc = _merge(raw, env_overrides(os.environ if environ is None else environ))
+    if overrides:
+        doc = _merge(doc, overrides)
+    try:
+        return ServegateConfig.model_validate(doc)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, positions)) from exc
+
+
+def load_config(
+    path: str | Path | None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ServegateConfig:
+    if path is None:
+        return parse_config("", "<defaults>", environ, overrides)
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from exc
+    return parse_config(text, str(p), environ, overrides)

@@ -1,0 +1,1 @@
+"""The HTTP data plane: parse once, schedule, forward bytes, stream back."""

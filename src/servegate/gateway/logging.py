@@ -1,0 +1,77 @@
+"""Structured logs: one JSON line per proxied request, and JSON for everything else.
+
+The access line is written with orjson straight to the stream (no logging
+formatter machinery on the hot path); probes and /metrics are never logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import IO, Any
+
+import orjson
+
+
+@dataclass(slots=True)
+class AccessRecord:
+    request_id: str
+    method: str
+    path: str
+    model: str | None = None
+    target_model: str | None = None
+    endpoint: str | None = None
+    status: int = 0
+    ttft_ms: float | None = None
+    latency_ms: float = 0.0
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    retries: int = 0
+    stream: bool = False
+    error: str | None = None
+
+
+class AccessLog:
+    def __init__(self, stream: IO[bytes] | None = None, enabled: bool = True) -> None:
+        self._stream = stream if stream is not None else sys.stdout.buffer
+        self.enabled = enabled
+
+    def write(self, record: AccessRecord) -> None:
+        if not self.enabled:
+            return
+        line = asdict(record)
+        line["ts"] = time.time()
+        line["logger"] = "servegate.access"
+        try:
+            self._stream.write(orjson.dumps(line) + b"\n")
+            self._stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": record.created,
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        extra = getattr(record, "fields", None)
+        if isinstance(extra, dict):
+            out.update(extra)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(out, default=str).decode()
+
+
+def configure_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("aiohttp.access").disabled = True

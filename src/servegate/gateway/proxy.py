@@ -1,0 +1,287 @@
+"""Forwarding: send the original bytes to the chosen endpoint, relay the answer as it comes.
+
+Retries happen only before the first byte reaches the client: a connect error or
+a 502/503 from one endpoint moves the request to the next fallback. Once a
+stream has started, a failure ends it with an OpenAI-style error event.
+Foreign exceptions are translated to `errors.py` types here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from servegate.config import GatewaySettings
+from servegate.gateway.errors import (
+    GatewayError,
+    UpstreamFailed,
+    UpstreamTimeout,
+    sse_error_event,
+)
+from servegate.gateway.logging import AccessRecord
+from servegate.gateway.metrics import GatewayMetrics
+from servegate.pool.endpoint import EndpointState
+from servegate.pool.pool import Pool
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+ROUTING_HEADERS = frozenset(
+    {
+        "x-gateway-destination-endpoint",
+        "x-gateway-destination-endpoint-subset",
+        "x-gateway-destination-endpoint-served",
+        "x-prefiller-host-port",
+        "x-data-parallel-host-port",
+    }
+)
+"""Headers only the gateway may set: a client must not choose an address itself."""
+RESPONSE_DROP = HOP_BY_HOP | {"date", "server"}
+RETRY_STATUSES = frozenset({502, 503})
+USAGE_MARK = b'"usage"'
+TAIL_BYTES = 8192
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+def usage_from(obj: Any) -> Usage | None:
+    if not isinstance(obj, dict):
+        return None
+    usage = obj.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(
+        prompt_tokens=_int(usage.get("prompt_tokens")),
+        completion_tokens=_int(usage.get("completion_tokens")),
+        cached_tokens=_int(cached),
+    )
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def usage_from_sse_tail(tail: bytes) -> Usage | None:
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data: {") and USAGE_MARK in line:
+            try:
+                return usage_from(orjson.loads(line[6:]))
+            except orjson.JSONDecodeError:
+                return None
+    return None
+
+
+def forward_headers(
+    incoming: Mapping[str, str], request_id: str, strip_authorization: bool
+) -> dict[str, str]:
+    out = {}
+    for name, value in incoming.items():
+        lower = name.lower()
+        if lower in HOP_BY_HOP or lower in ROUTING_HEADERS:
+            continue
+        if strip_authorization and lower == "authorization":
+            continue
+        out[name] = value
+    out["X-Request-ID"] = request_id
+    return out
+
+
+def response_headers(upstream: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in upstream.items():
+        if name.lower() not in RESPONSE_DROP:
+            out.add(name, value)
+    return out
+
+
+class Proxy:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        settings: GatewaySettings,
+        pool: Pool,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self._session = session
+        self._settings = settings
+        self._pool = pool
+        self._metrics = metrics
+        self._timeout = aiohttp.ClientTimeout(
+            total=settings.total_timeout_s, sock_connect=settings.connect_timeout_s
+        )
+
+    async def _open(
+        self, state: EndpointState, path: str, headers: Mapping[str, str], body: bytes
+    ) -> aiohttp.ClientResponse:
+        url = state.endpoint.url + path
+        try:
+            async with asyncio.timeout(self._settings.first_byte_timeout_s):
+                return await self._session.post(
+                    url, data=body, headers=headers, timeout=self._timeout
+                )
+        except TimeoutError as exc:
+            self._metrics.upstream_errors.labels(state.address, "timeout").inc()
+            raise UpstreamTimeout(f"endpoint {state.address} did not answer in time") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            self._metrics.upstream_errors.labels(state.address, "connect").inc()
+            raise UpstreamFailed(f"endpoint {state.address} failed: {exc!r}") from exc
+
+    async def forward(
+        self,
+        http_request: web.Request,
+        targets: list[EndpointState],
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        tokens: int,
+        record: AccessRecord,
+        started: float,
+        extra_response_headers: Mapping[str, str],
+    ) -> web.StreamResponse:
+        last_error: GatewayError = UpstreamFailed("no endpoint could be tried")
+        attempts = targets[: self._settings.max_retries + 1]
+        for attempt, state in enumerate(attempts):
+            is_last = attempt == len(attempts) - 1
+            record.retries = attempt
+            record.endpoint = state.address
+            self._pool.acquire(state, tokens)
+            try:
+                try:
+                    upstream = await self._open(state, path, headers, body)
+                except UpstreamTimeout:
+                    raise
+                except GatewayError as exc:
+                    last_error = exc
+                    if not is_last:
+                        self._metrics.retries.labels("connect").inc()
+                    continue
+                complete = False
+                try:
+                    if upstream.status in RETRY_STATUSES and not is_last:
+                        self._metrics.upstream_errors.labels(
+                            state.address, str(upstream.status)
+                        ).inc()
+                        self._metrics.retries.labels(str(upstream.status)).inc()
+                        last_error = UpstreamFailed(
+                            f"endpoint {state.address} answered {upstream.status}"
+                        )
+                        continue
+                    response = await self._relay(
+                        http_request, upstream, state, record, started, extra_response_headers
+                    )
+                    complete = True
+                    return response
+                finally:
+                    if complete:
+                        upstream.release()
+                    else:
+                        upstream.close()
+            finally:
+                self._pool.release(state, tokens)
+        raise last_error
+
+    async def _relay(
+        self,
+        http_request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        state: EndpointState,
+        record: AccessRecord,
+        started: float,
+        extra_headers: Mapping[str, str],
+    ) -> web.StreamResponse:
+        headers = response_headers(upstream.headers)
+        headers["x-gateway-destination-endpoint"] = state.address
+        headers.update(extra_headers)
+        record.status = upstream.status
+        if upstream.content_type == "text/event-stream":
+            return await self._relay_stream(http_request, upstream, state, record, started, headers)
+        try:
+            data = await upstream.read()
+        except (aiohttp.ClientError, OSError) as exc:
+            self._metrics.upstream_errors.labels(state.address, "body").inc()
+            raise UpstreamFailed(f"endpoint {state.address} broke off its answer") from exc
+        except TimeoutError as exc:
+            self._metrics.upstream_errors.labels(state.address, "timeout").inc()
+            raise UpstreamTimeout(f"endpoint {state.address} did not finish in time") from exc
+        record.ttft_ms = (time.monotonic() - started) * 1000.0
+        if USAGE_MARK in data:
+            try:
+                self._note_usage(record, usage_from(orjson.loads(data)))
+            except orjson.JSONDecodeError:
+                pass
+        return web.Response(status=upstream.status, body=data, headers=headers)
+
+    async def _relay_stream(
+        self,
+        http_request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        state: EndpointState,
+        record: AccessRecord,
+        started: float,
+        headers: CIMultiDict[str],
+    ) -> web.StreamResponse:
+        record.stream = True
+        response = web.StreamResponse(status=upstream.status, headers=headers)
+        await response.prepare(http_request)
+        tail = b""
+        first = True
+        try:
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+                if first:
+                    record.ttft_ms = (time.monotonic() - started) * 1000.0
+                    first = False
+                tail = chunk if len(chunk) >= TAIL_BYTES else tail[-TAIL_BYTES:] + chunk
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+            self._midstream(state, record, exc)
+            await response.write(sse_error_event(UpstreamFailed(_midstream_message(state))))
+        except TimeoutError as exc:
+            self._midstream(state, record, exc)
+            await response.write(sse_error_event(UpstreamTimeout(_midstream_message(state))))
+        if USAGE_MARK in tail:
+            self._note_usage(record, usage_from_sse_tail(tail))
+        await response.write_eof()
+        return response
+
+    def _midstream(self, state: EndpointState, record: AccessRecord, exc: BaseException) -> None:
+        self._metrics.upstream_errors.labels(state.address, "midstream").inc()
+        record.error = f"midstream: {exc!r}"
+
+    @staticmethod
+    def _note_usage(record: AccessRecord, usage: Usage | None) -> None:
+        if usage is None:
+            return
+        record.prompt_tokens = usage.prompt_tokens
+        record.completion_tokens = usage.completion_tokens
+        record.cached_tokens = usage.cached_tokens
+
+
+def _midstream_message(state: EndpointState) -> str:
+    return f"endpoint {state.address} failed while streaming; the response is incomplete"

@@ -1,0 +1,69 @@
+"""Running the gateway: uvloop, one listening socket, graceful shutdown on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+from aiohttp import web
+
+from servegate.config import ServegateConfig
+from servegate.gateway.app import build_gateway, create_app
+
+log = logging.getLogger("servegate.server")
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        return asyncio.new_event_loop
+    return uvloop.new_event_loop
+
+
+async def serve_until_stopped(
+    config: ServegateConfig,
+    config_dir: Path | None = None,
+    stop: asyncio.Event | None = None,
+    drain_timeout_s: float = 30.0,
+    on_started: Callable[[int], None] | None = None,
+) -> None:
+    gw = build_gateway(config, config_dir)
+    app = create_app(gw)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=drain_timeout_s
+    )
+    await runner.setup()
+    site = web.TCPSite(
+        runner, config.gateway.host, config.gateway.port, backlog=4096, reuse_address=True
+    )
+    await site.start()
+    port = config.gateway.port
+    server = site._server
+    if server is not None and getattr(server, "sockets", None):
+        port = server.sockets[0].getsockname()[1]
+    log.info(
+        "listening", extra={"fields": {"host": config.gateway.host, "port": port}}
+    )
+    if on_started is not None:
+        on_started(port)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down: draining in-flight requests")
+        await runner.cleanup()
+
+
+def run(config: ServegateConfig, config_dir: Path | None = None) -> None:
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        runner.run(serve_until_stopped(config, config_dir))

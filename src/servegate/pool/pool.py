@@ -1,0 +1,164 @@
+"""The Pool: the one owner of endpoints and their live state.
+
+Discovery adds and removes endpoints, the scraper writes metrics, the health
+checker writes health, the gateway counts in-flight work. Everyone else reads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from servegate.pool.endpoint import Endpoint, EndpointMetrics, EndpointState
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    """A model id the pool can serve; `parent` is the base model of a LoRA adapter."""
+
+    id: str
+    parent: str | None = None
+
+    @property
+    def base(self) -> str:
+        return self.parent or self.id
+
+
+Listener = Callable[[str, EndpointState], None]
+
+
+class Pool:
+    def __init__(self, name: str = "default", staleness: float = 2.0) -> None:
+        self.name = name
+        self.staleness = staleness
+        self._states: dict[str, EndpointState] = {}
+        self._declared_models: dict[str, ModelEntry] = {}
+        self._discovered: dict[str, dict[str, ModelEntry]] = {}
+        self._models: dict[str, ModelEntry] = {}
+        self._listeners: list[Listener] = []
+
+    # -- membership (discovery) -------------------------------------------------
+    def subscribe(self, listener: Listener) -> None:
+        """`listener("added"|"removed", state)`: lets the data layer start/stop tasks."""
+        self._listeners.append(listener)
+
+    def add(self, endpoint: Endpoint) -> EndpointState:
+        existing = self._states.get(endpoint.address)
+        if existing is not None and existing.endpoint == endpoint:
+            return existing
+        if existing is not None:
+            self.remove(endpoint.address)
+        state = EndpointState(endpoint=endpoint)
+        self._states[endpoint.address] = state
+        if endpoint.model:
+            self._declared_models.setdefault(endpoint.model, ModelEntry(endpoint.model))
+        self._rebuild_models()
+        for listener in self._listeners:
+            listener("added", state)
+        return state
+
+    def remove(self, address: str) -> EndpointState | None:
+        state = self._states.pop(address, None)
+        if state is None:
+            return None
+        self._discovered.pop(address, None)
+        self._rebuild_models()
+        for listener in self._listeners:
+            listener("removed", state)
+        return state
+
+    def declare_model(self, model_id: str, parent: str | None = None) -> None:
+        self._declared_models[model_id] = ModelEntry(model_id, parent)
+        self._rebuild_models()
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __iter__(self) -> Iterator[EndpointState]:
+        return iter(list(self._states.values()))
+
+    def get(self, address: str) -> EndpointState | None:
+        return self._states.get(address)
+
+    # -- live state (data layer) ------------------------------------------------
+    def set_metrics(self, address: str, metrics: EndpointMetrics) -> None:
+        state = self._states.get(address)
+        if state is not None:
+            state.metrics = metrics
+
+    def set_health(self, address: str, healthy: bool) -> None:
+        state = self._states.get(address)
+        if state is not None:
+            state.healthy = healthy
+
+    def set_served_models(self, address: str, models: Iterable[ModelEntry]) -> None:
+        state = self._states.get(address)
+        if state is None:
+            return
+        entries = {m.id: m for m in models}
+        state.served_models = frozenset(entries)
+        self._discovered[address] = entries
+        self._rebuild_models()
+
+    def set_draining(self, address: str, draining: bool) -> bool:
+        state = self._states.get(address)
+        if state is None:
+            return False
+        state.draining = draining
+        return True
+
+    def eject(self, address: str, until: float) -> None:
+        state = self._states.get(address)
+        if state is not None:
+            state.ejected_until = until
+
+    # -- in-flight accounting (gateway) -----------------------------------------
+    def acquire(self, state: EndpointState, tokens: int, now: float | None = None) -> None:
+        state.in_flight_requests += 1
+        state.in_flight_tokens += tokens
+        state.picks += 1
+        state.last_picked_at = time.monotonic() if now is None else now
+
+    def release(self, state: EndpointState, tokens: int) -> None:
+        state.in_flight_requests = max(0, state.in_flight_requests - 1)
+        state.in_flight_tokens = max(0, state.in_flight_tokens - tokens)
+
+    # -- reads (scheduler, gateway) ---------------------------------------------
+    @property
+    def models(self) -> dict[str, ModelEntry]:
+        return self._models
+
+    def resolve_model(self, model: str) -> ModelEntry | None:
+        return self._models.get(model)
+
+    def is_available(self, state: EndpointState, now: float) -> bool:
+        return state.healthy and not state.draining and state.ejected_until <= now
+
+    def candidates(self, base_model: str | None, now: float) -> list[EndpointState]:
+        """Ready endpoints that serve `base_model` (None: every ready endpoint)."""
+        out = []
+        for state in self._states.values():
+            if not (state.healthy and not state.draining and state.ejected_until <= now):
+                continue
+            if base_model is not None and not self._serves(state, base_model):
+                continue
+            out.append(state)
+        return out
+
+    def ready_count(self, now: float | None = None) -> int:
+        t = time.monotonic() if now is None else now
+        return sum(1 for s in self._states.values() if self.is_available(s, t))
+
+    @staticmethod
+    def _serves(state: EndpointState, base_model: str) -> bool:
+        if state.endpoint.model is not None:
+            return state.endpoint.model == base_model
+        return base_model in state.served_models
+
+    def _rebuild_models(self) -> None:
+        models = dict(self._declared_models)
+        for entries in self._discovered.values():
+            for entry in entries.values():
+                models.setdefault(entry.id, entry)
+        self._models = models

@@ -1,0 +1,144 @@
+"""The plugin contracts of the endpoint picker, in one place.
+
+A scheduling cycle runs the profile handler's chosen profiles; each profile
+filters the candidates, asks every scorer for a score per endpoint, clamps each
+to [0, 1], multiplies by the scorer's weight, sums, and lets the picker rank the
+endpoints. Plugins are pure functions of (request, endpoints, cycle); the
+framework (`scheduler.py`) does clamping, weighting, timing and the decision.
+
+Plugins that must learn what was decided (an approximate prefix index, session
+bindings) also implement `PreRequest` and/or `ResponseComplete`; the gateway
+calls those hooks after the decision, outside the pure scheduling call.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from servegate.pool.endpoint import EndpointState
+from servegate.scheduling.request import LLMRequest
+
+
+@dataclass(slots=True)
+class CycleState:
+    """Per-cycle inputs and scratch space: the clock and randomness come from here."""
+
+    now: float
+    rng: random.Random
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Plugin(Protocol):
+    type: ClassVar[str]
+    name: str
+
+
+@runtime_checkable
+class Filter(Plugin, Protocol):
+    def filter(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> list[EndpointState]: ...
+
+
+@runtime_checkable
+class Scorer(Plugin, Protocol):
+    def score(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> Sequence[float]:
+        """One score per endpoint, in order; the framework clamps to [0, 1]."""
+        ...
+
+
+@runtime_checkable
+class Picker(Plugin, Protocol):
+    def pick(
+        self,
+        cycle: CycleState,
+        request: LLMRequest,
+        endpoints: list[EndpointState],
+        scores: list[float],
+    ) -> list[EndpointState]:
+        """Endpoints in preference order: the first is the target, the rest fallbacks."""
+        ...
+
+
+@dataclass(slots=True)
+class WeightedScorer:
+    scorer: Scorer
+    weight: float = 1.0
+
+
+@dataclass(slots=True)
+class SchedulerProfile:
+    name: str
+    filters: list[Filter]
+    scorers: list[WeightedScorer]
+    picker: Picker
+
+
+@dataclass(slots=True)
+class ProfileResult:
+    """What one profile chose; `scores[address][scorer name]` is the weighted score."""
+
+    ranked: list[EndpointState]
+    scores: dict[str, dict[str, float]]
+    totals: dict[str, float]
+
+
+@dataclass(slots=True)
+class Decision:
+    """The outcome of one scheduling cycle."""
+
+    endpoint: EndpointState
+    fallbacks: list[EndpointState]
+    prefill: EndpointState | None = None
+    profile: str = "default"
+    results: dict[str, ProfileResult] = field(default_factory=dict)
+    pd_decision: str | None = None
+    """For P/D: which way the decider went (`prefill-decode`, `decode-only`)."""
+
+    @property
+    def targets(self) -> list[EndpointState]:
+        return [self.endpoint, *self.fallbacks]
+
+
+@runtime_checkable
+class ProfileHandler(Plugin, Protocol):
+    def pick_profiles(
+        self,
+        cycle: CycleState,
+        request: LLMRequest,
+        profiles: Mapping[str, SchedulerProfile],
+        results: Mapping[str, ProfileResult | None],
+    ) -> list[str]:
+        """Profiles to run next given the results so far; empty when done."""
+        ...
+
+    def process_results(
+        self,
+        cycle: CycleState,
+        request: LLMRequest,
+        results: Mapping[str, ProfileResult | None],
+    ) -> Decision | None:
+        """Turn the profile results into a decision; None when nothing fits."""
+        ...
+
+
+@runtime_checkable
+class PreRequest(Protocol):
+    def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None: ...
+
+
+@runtime_checkable
+class ResponseComplete(Protocol):
+    def response_complete(
+        self, request: LLMRequest, endpoint: EndpointState, now: float
+    ) -> None: ...
+
+
+class NoCandidates(Exception):
+    """No endpoint survived the filters."""
