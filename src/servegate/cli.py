@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import orjson
 import typer
@@ -62,22 +62,22 @@ def _load(config: Path | None, overrides: dict[str, Any]) -> ServegateConfig:
 
 @app.command()
 def serve(
-    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file.")] = None,  # noqa: UP045
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file.")] = None,
     endpoint: Annotated[
-        Optional[list[str]],  # noqa: UP045
-        typer.Option("--endpoint", "-e", help="Model-server URL (repeatable); replaces the config's."),
+        list[str] | None,
+        typer.Option(
+            "--endpoint", "-e", help="Model-server URL (repeatable); replaces the config's."
+        ),
     ] = None,
-    host: Annotated[Optional[str], typer.Option(help="Listen address.")] = None,  # noqa: UP045
-    port: Annotated[Optional[int], typer.Option(help="Listen port.")] = None,  # noqa: UP045
+    host: Annotated[str | None, typer.Option(help="Listen address.")] = None,
+    port: Annotated[int | None, typer.Option(help="Listen port.")] = None,
     model: Annotated[
-        Optional[str],  # noqa: UP045
+        str | None,
         typer.Option(help="Model served by --endpoint URLs (default: ask each replica)."),
     ] = None,
-    picker: Annotated[
-        Optional[Path], typer.Option(help="EndpointPickerConfig YAML file.")  # noqa: UP045
-    ] = None,
+    picker: Annotated[Path | None, typer.Option(help="EndpointPickerConfig YAML file.")] = None,
     debug_headers: Annotated[
-        Optional[bool], typer.Option("--debug-headers/--no-debug-headers")  # noqa: UP045
+        bool | None, typer.Option("--debug-headers/--no-debug-headers")
     ] = None,
 ) -> None:
     """Run the gateway."""

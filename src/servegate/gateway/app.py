@@ -20,7 +20,7 @@ import orjson
 from aiohttp import web
 
 from servegate.config import ServegateConfig
-from servegate.datalayer import DataLayer
+from servegate.datalayer import DataLayer, HealthSettings, ScrapeSettings
 from servegate.engines.registry import EngineRegistry
 from servegate.gateway.errors import (
     BadRequest,
@@ -41,7 +41,7 @@ from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_confi
 from servegate.scheduling.framework import CycleState, NoCandidates
 from servegate.scheduling.registry import PluginContext
 from servegate.scheduling.request import LLMRequest, RequestKind
-from servegate.scheduling.scheduler import Scheduler
+from servegate.scheduling.scheduler import Scheduler, result_as_dict
 
 log = logging.getLogger("servegate.gateway")
 
@@ -142,10 +142,6 @@ def _resolve_model(gw: Gateway, llm: LLMRequest) -> None:
     llm.lora = entry.id if entry.parent else None
 
 
-def _scores_header(decision_results: dict[str, object]) -> str:
-    return orjson.dumps(decision_results).decode()
-
-
 async def _inference(request: web.Request, kind: RequestKind) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     started = time.monotonic()
@@ -165,7 +161,7 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         running = gw.metrics.running.labels(llm.model)
         running.inc()
         now = time.monotonic()
-        candidates = gw.pool.candidates(llm.base_model, now)
+        candidates = gw.pool.candidates(llm.base_model, now, llm.lora)
         if not candidates:
             raise NoEndpoints(f"no ready endpoint serves model `{llm.model}`")
         t0 = time.perf_counter()
@@ -179,9 +175,7 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         if gw.config.gateway.debug_headers:
             result = decision.results.get(decision.profile)
             if result is not None:
-                extra["x-servegate-scores"] = _scores_header(
-                    {"totals": result.totals, "scores": result.scores}
-                )
+                extra["x-servegate-scores"] = orjson.dumps(result_as_dict(result)).decode()
         assert gw.proxy is not None
         upstream_headers = forward_headers(
             request.headers, rid, strip_authorization=bool(gw.config.gateway.api_keys)
@@ -277,9 +271,7 @@ async def ready(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     count = gw.pool.ready_count()
     body = orjson.dumps({"ready": count > 0, "ready_endpoints": count, "endpoints": len(gw.pool)})
-    return web.Response(
-        status=200 if count else 503, body=body, content_type="application/json"
-    )
+    return web.Response(status=200 if count else 503, body=body, content_type="application/json")
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -315,12 +307,19 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
     )
     gw.session = session
     gw.proxy = Proxy(session, settings, gw.pool, gw.metrics)
+    pool_cfg = gw.config.pool
     gw.datalayer = DataLayer(
         gw.pool,
         session,
         gw.engines,
-        scrape_interval=gw.config.pool.scrape_interval_s,
-        health=gw.config.pool.health,
+        scrape=ScrapeSettings(interval=pool_cfg.scrape_interval_s),
+        health=HealthSettings(
+            interval=pool_cfg.health.interval_s,
+            timeout=pool_cfg.health.timeout_s,
+            failure_threshold=pool_cfg.health.failure_threshold,
+            success_threshold=pool_cfg.health.success_threshold,
+            models_every=pool_cfg.health.models_refresh_every,
+        ),
     )
     await gw.datalayer.start()
     log.info(

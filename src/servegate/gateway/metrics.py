@@ -34,7 +34,9 @@ class _PoolCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         ready = GaugeMetricFamily(
-            "inference_pool_ready_pods", "Endpoints in the pool that take requests.", labels=["name"]
+            "inference_pool_ready_pods",
+            "Endpoints in the pool that take requests.",
+            labels=["name"],
         )
         kv = GaugeMetricFamily(
             "inference_pool_average_kv_cache_utilization",
@@ -129,7 +131,9 @@ class GatewayMetrics:
             registry=r,
         )
         self.retries = Counter(
-            "servegate_upstream_retries", "Attempts moved to a fallback endpoint.", ["reason"],
+            "servegate_upstream_retries",
+            "Attempts moved to a fallback endpoint.",
+            ["reason"],
             registry=r,
         )
         self.upstream_errors = Counter(

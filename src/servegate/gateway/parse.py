@@ -128,7 +128,9 @@ def parse_request(
         max_tokens=_max_tokens(body),
         headers=headers,
         body=body,
-        prompt_tokens=len(token_ids) if token_ids is not None else len(prompt) // CHARS_PER_TOKEN + 1,
+        prompt_tokens=len(token_ids)
+        if token_ids is not None
+        else len(prompt) // CHARS_PER_TOKEN + 1,
         fairness_id=fairness,
     )
     if token_ids is not None:

@@ -41,13 +41,8 @@ async def serve_until_stopped(
         runner, config.gateway.host, config.gateway.port, backlog=4096, reuse_address=True
     )
     await site.start()
-    port = config.gateway.port
-    server = site._server
-    if server is not None and getattr(server, "sockets", None):
-        port = server.sockets[0].getsockname()[1]
-    log.info(
-        "listening", extra={"fields": {"host": config.gateway.host, "port": port}}
-    )
+    port = runner.addresses[0][1] if runner.addresses else config.gateway.port
+    log.info("listening", extra={"fields": {"host": config.gateway.host, "port": port}})
     if on_started is not None:
         on_started(port)
     stop = stop or asyncio.Event()

@@ -135,8 +135,15 @@ class Pool:
     def is_available(self, state: EndpointState, now: float) -> bool:
         return state.healthy and not state.draining and state.ejected_until <= now
 
-    def candidates(self, base_model: str | None, now: float) -> list[EndpointState]:
-        """Ready endpoints that serve `base_model` (None: every ready endpoint)."""
+    def candidates(
+        self, base_model: str | None, now: float, adapter: str | None = None
+    ) -> list[EndpointState]:
+        """Ready endpoints that serve `base_model` (None: every ready endpoint).
+
+        For a LoRA `adapter`, endpoints that list it in their /v1/models come first: if
+        any do, only they are candidates (a replica without the adapter would answer
+        404); if none do, every base-model endpoint is (adapters loaded on demand).
+        """
         out = []
         for state in self._states.values():
             if not (state.healthy and not state.draining and state.ejected_until <= now):
@@ -144,6 +151,10 @@ class Pool:
             if base_model is not None and not self._serves(state, base_model):
                 continue
             out.append(state)
+        if adapter is not None:
+            holding = [s for s in out if adapter in s.served_models]
+            if holding:
+                return holding
         return out
 
     def ready_count(self, now: float | None = None) -> int:

@@ -82,11 +82,16 @@ class SchedulerProfile:
 
 @dataclass(slots=True)
 class ProfileResult:
-    """What one profile chose; `scores[address][scorer name]` is the weighted score."""
+    """What one profile chose; `scores[address][scorer name]` is the weighted score.
+
+    `scores` and `totals` are read-only mappings: the scheduler hands out lazy
+    views (rows are built only when read) to keep per-endpoint dicts off the hot
+    path; `dict(...)` them before serialising.
+    """
 
     ranked: list[EndpointState]
-    scores: dict[str, dict[str, float]]
-    totals: dict[str, float]
+    scores: Mapping[str, Mapping[str, float]]
+    totals: Mapping[str, float]
 
 
 @dataclass(slots=True)

@@ -1,0 +1,371 @@
+"""What a run leaves behind: tables, verdicts, JSON, CSV, plots, and live progress.
+
+`write_report(out_dir, ...)` writes `report.md` (tables, verdicts, plots, command),
+`summary.json`, `summary.csv`, `requests.csv` (one row per request) and PNG plots:
+`ttft_cdf.png` (TTFT, or end-to-end latency when not streaming, per target) and, for
+sweeps over more than one load point, `sweep.png` (latency and throughput versus load).
+Plots use matplotlib's object API with the Agg canvas: no pyplot global state, no
+display needed.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import orjson
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+from servegate.bench.client import RequestResult
+from servegate.bench.runner import TargetRun
+from servegate.bench.stats import TargetSummary
+
+SUMMARY_COLUMNS = (
+    "target",
+    "load",
+    "requests",
+    "errors",
+    "req/s",
+    "out tok/s",
+    "TTFT p50",
+    "TTFT p90",
+    "TTFT p99",
+    "ITL p50",
+    "ITL p99",
+    "e2e p50",
+    "e2e p99",
+    "hit rate",
+    "balance",
+)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f} %"
+
+
+def _row(summary: TargetSummary) -> list[str]:
+    hit = _pct(summary.hit_rate)
+    if summary.hit_rate_source == "usage":
+        hit += " (usage)"
+    balance = "-" if summary.balance is None else f"{summary.balance:.2f}"
+    return [
+        summary.target,
+        summary.load,
+        str(summary.requests),
+        str(summary.errors),
+        f"{summary.req_per_s:.2f}",
+        f"{summary.output_tok_per_s:.1f}",
+        _ms(summary.ttft_p50_s),
+        _ms(summary.ttft_p90_s),
+        _ms(summary.ttft_p99_s),
+        _ms(summary.itl_p50_s),
+        _ms(summary.itl_p99_s),
+        _ms(summary.e2e_p50_s),
+        _ms(summary.e2e_p99_s),
+        hit,
+        balance,
+    ]
+
+
+def markdown_table(summaries: Sequence[TargetSummary]) -> str:
+    lines = [
+        "| " + " | ".join(SUMMARY_COLUMNS) + " |",
+        "|" + "|".join("---" for _ in SUMMARY_COLUMNS) + "|",
+    ]
+    lines += ["| " + " | ".join(_row(s)) + " |" for s in summaries]
+    return "\n".join(lines)
+
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    if value is None or base is None or base <= 0:
+        return None
+    return value / base
+
+
+def verdict(summary: TargetSummary, base: TargetSummary) -> str:
+    """One line comparing `summary` with the baseline `base` at the same load point."""
+    if summary is base:
+        return f"{summary.target}: baseline"
+    parts = []
+    latency_name, value, reference = "TTFT p50", summary.ttft_p50_s, base.ttft_p50_s
+    if value is None or reference is None:
+        latency_name, value, reference = "e2e p50", summary.e2e_p50_s, base.e2e_p50_s
+    latency = _ratio(value, reference)
+    if latency is not None:
+        parts.append(f"{latency_name} {latency:.2f}x base")
+    throughput = _ratio(summary.output_tok_per_s, base.output_tok_per_s)
+    if throughput is None:
+        throughput = _ratio(summary.req_per_s, base.req_per_s)
+    if throughput is not None:
+        parts.append(f"throughput {throughput:.2f}x")
+    if summary.hit_rate is not None and base.hit_rate is not None:
+        parts.append(f"hit rate {_pct(summary.hit_rate)} vs {_pct(base.hit_rate)}")
+    if summary.errors or base.errors:
+        parts.append(f"errors {summary.errors} vs {base.errors}")
+    return f"{summary.target}: " + (", ".join(parts) if parts else "no comparable numbers")
+
+
+def group_by_load(summaries: Sequence[TargetSummary]) -> dict[str, list[TargetSummary]]:
+    groups: dict[str, list[TargetSummary]] = {}
+    for summary in summaries:
+        groups.setdefault(summary.load, []).append(summary)
+    return groups
+
+
+def verdicts(summaries: Sequence[TargetSummary]) -> list[str]:
+    lines = []
+    for load, group in group_by_load(summaries).items():
+        lines += [f"[{load}] {verdict(s, group[0])}" for s in group]
+    return lines
+
+
+def summary_record(summary: TargetSummary) -> dict[str, Any]:
+    return dataclasses.asdict(summary)
+
+
+def write_json(path: Path, summaries: Sequence[TargetSummary], meta: dict[str, Any]) -> None:
+    document = {"meta": meta, "summaries": [summary_record(s) for s in summaries]}
+    path.write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))
+
+
+def write_summary_csv(path: Path, summaries: Sequence[TargetSummary]) -> None:
+    fields = [f.name for f in dataclasses.fields(TargetSummary)]
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        for summary in summaries:
+            record = summary_record(summary)
+            for key in ("errors_by_kind", "replica_requests"):
+                record[key] = orjson.dumps(record[key]).decode()
+            writer.writerow(record)
+
+
+REQUEST_COLUMNS = (
+    "target",
+    "load",
+    "status",
+    "error_kind",
+    "e2e_s",
+    "ttft_s",
+    "itl_mean_s",
+    "output_tokens",
+    "prompt_tokens",
+    "cached_tokens",
+    "served_by",
+)
+
+
+def _request_row(run: TargetRun, result: RequestResult) -> list[Any]:
+    itl_mean = sum(result.itl_s) / len(result.itl_s) if result.itl_s else None
+    return [
+        run.target.name,
+        run.point.label,
+        result.status,
+        result.error_kind or "",
+        f"{result.e2e_s:.6f}",
+        "" if result.ttft_s is None else f"{result.ttft_s:.6f}",
+        "" if itl_mean is None else f"{itl_mean:.6f}",
+        result.output_tokens,
+        "" if result.prompt_tokens is None else result.prompt_tokens,
+        "" if result.cached_tokens is None else result.cached_tokens,
+        result.served_by or "",
+    ]
+
+
+def write_requests_csv(path: Path, runs: Sequence[TargetRun]) -> None:
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(REQUEST_COLUMNS)
+        for run in runs:
+            for result in sorted(run.results, key=lambda r: r.started_at):
+                writer.writerow(_request_row(run, result))
+
+
+def _latencies_for_cdf(run: TargetRun) -> tuple[list[float], str]:
+    ttfts = [r.ttft_s for r in run.results if r.ok and r.ttft_s is not None]
+    if ttfts:
+        return ttfts, "TTFT"
+    return [r.e2e_s for r in run.results if r.ok], "end-to-end latency"
+
+
+def plot_ttft_cdf(path: Path, runs: Sequence[TargetRun]) -> None:
+    from matplotlib.figure import Figure
+
+    loads: dict[str, list[TargetRun]] = {}
+    for run in runs:
+        loads.setdefault(run.point.label, []).append(run)
+    columns = min(3, len(loads))
+    rows = -(-len(loads) // columns)
+    figure = Figure(figsize=(5.0 * columns, 3.6 * rows), layout="constrained")
+    axes = figure.subplots(rows, columns, squeeze=False)
+    for index, (load, group) in enumerate(loads.items()):
+        ax = axes[index // columns][index % columns]
+        what = "TTFT"
+        for run in group:
+            values, what = _latencies_for_cdf(run)
+            if not values:
+                continue
+            ordered = sorted(v * 1000 for v in values)
+            fractions = [(i + 1) / len(ordered) for i in range(len(ordered))]
+            ax.step(ordered, fractions, where="post", label=run.target.name)
+        ax.set_title(f"{what} CDF, {load}")
+        ax.set_xlabel(f"{what} (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+    for index in range(len(loads), rows * columns):
+        axes[index // columns][index % columns].set_visible(False)
+    figure.savefig(path, dpi=110)
+
+
+def plot_sweep(path: Path, summaries: Sequence[TargetSummary]) -> None:
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(11.0, 4.0), layout="constrained")
+    latency_ax, throughput_ax = figure.subplots(1, 2)
+    by_target: dict[str, list[TargetSummary]] = {}
+    for summary in summaries:
+        by_target.setdefault(summary.target, []).append(summary)
+    kind = summaries[0].load_kind if summaries else "load"
+    for target, points in by_target.items():
+        points = sorted(points, key=lambda s: s.load_value)
+        xs = [p.load_value for p in points]
+        use_ttft = all(p.ttft_p50_s is not None for p in points)
+        p50 = [(p.ttft_p50_s if use_ttft else p.e2e_p50_s) or 0.0 for p in points]
+        p99 = [(p.ttft_p99_s if use_ttft else p.e2e_p99_s) or 0.0 for p in points]
+        name = "TTFT" if use_ttft else "e2e"
+        (line,) = latency_ax.plot(xs, [v * 1000 for v in p50], marker="o", label=f"{target} p50")
+        latency_ax.plot(
+            xs,
+            [v * 1000 for v in p99],
+            marker="x",
+            linestyle="--",
+            color=line.get_color(),
+            label=f"{target} p99",
+        )
+        latency_ax.set_ylabel(f"{name} (ms)")
+        throughput_ax.plot(xs, [p.output_tok_per_s for p in points], marker="o", label=target)
+    unit = "requests/s" if kind == "rate" else kind
+    for ax, title in ((latency_ax, "latency"), (throughput_ax, "output tokens/s")):
+        ax.set_xlabel(f"offered load ({unit})")
+        ax.set_title(f"{title} vs load")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    figure.savefig(path, dpi=110)
+
+
+def render_markdown(
+    summaries: Sequence[TargetSummary], meta: dict[str, Any], plots: Sequence[str]
+) -> str:
+    sections = ["# servegate bench report", ""]
+    if meta.get("command"):
+        sections += ["```", str(meta["command"]), "```", ""]
+    if meta.get("workload"):
+        sections += [f"Workload: {meta['workload']}", ""]
+    for load, group in group_by_load(summaries).items():
+        sections += [f"## {load}", "", markdown_table(group), ""]
+        sections += [f"- {verdict(s, group[0])}" for s in group] + [""]
+        errors = [s for s in group if s.errors_by_kind]
+        for summary in errors:
+            kinds = ", ".join(f"{k}: {v}" for k, v in summary.errors_by_kind.items())
+            sections.append(f"- errors of {summary.target}: {kinds}")
+        for summary in group:
+            if summary.engine_scrapes_failed:
+                sections.append(
+                    f"- {summary.target}: {summary.engine_scrapes_failed} engine /metrics reads "
+                    "failed; hit rate and balance leave those segments out"
+                )
+        if errors or any(s.engine_scrapes_failed for s in group):
+            sections.append("")
+    sections += [
+        "Times are medians (p50) and tail percentiles over successful requests; rates divide "
+        "by each target's own wall time. Hit rate comes from the replicas' prefix-cache "
+        "counters, or “(usage)” from `cached_tokens` in responses; balance is max/mean "
+        "requests per replica.",
+        "",
+    ]
+    sections += [f"![{Path(p).stem}]({p})" for p in plots]
+    return "\n".join(sections).rstrip() + "\n"
+
+
+def write_report(
+    out_dir: Path,
+    runs: Sequence[TargetRun],
+    summaries: Sequence[TargetSummary],
+    meta: dict[str, Any],
+) -> list[Path]:
+    """Writes every report file into `out_dir` (created if needed); returns their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    plots = []
+    if any(result.ok for run in runs for result in run.results):
+        plot_ttft_cdf(out_dir / "ttft_cdf.png", runs)
+        plots.append("ttft_cdf.png")
+    if len(group_by_load(summaries)) > 1:
+        plot_sweep(out_dir / "sweep.png", summaries)
+        plots.append("sweep.png")
+    written += [out_dir / p for p in plots]
+    write_json(out_dir / "summary.json", summaries, meta)
+    write_summary_csv(out_dir / "summary.csv", summaries)
+    write_requests_csv(out_dir / "requests.csv", runs)
+    (out_dir / "report.md").write_text(render_markdown(summaries, meta, plots))
+    written += [out_dir / n for n in ("summary.json", "summary.csv", "requests.csv", "report.md")]
+    return written
+
+
+class RichProgress:
+    """A progress bar per segment on stderr, so stdout keeps only the results."""
+
+    def __init__(self, progress: Progress) -> None:
+        self._progress = progress
+        self._task: TaskID | None = None
+        self._errors = 0
+        self._description = ""
+
+    def start(self, description: str, total: int) -> None:
+        if self._task is not None:
+            self._progress.update(self._task, visible=False)
+        self._errors = 0
+        self._description = description
+        self._task = self._progress.add_task(description, total=total)
+
+    def advance(self, result: RequestResult) -> None:
+        if self._task is None:
+            return
+        if not result.ok:
+            self._errors += 1
+            self._progress.update(
+                self._task, description=f"{self._description} [red]{self._errors} errors"
+            )
+        self._progress.advance(self._task)
+
+
+@contextmanager
+def rich_progress(console: Console | None = None) -> Iterator[RichProgress]:
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console or Console(stderr=True),
+        transient=False,
+    )
+    with progress:
+        yield RichProgress(progress)

@@ -1,0 +1,1 @@
+"""Prefix-cache awareness: which replica already holds a prompt's prefix in its KV cache."""

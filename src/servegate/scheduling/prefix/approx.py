@@ -1,0 +1,185 @@
+"""Approximate prefix-cache scoring (the Gateway API Inference Extension's original design).
+
+The router cannot see replicas' caches, so it remembers what it sent where: at
+dispatch the prompt's block keys go into the chosen endpoint's LRU (capacity
+`lruCapacityPerServer` blocks, or the engine's own block count with `autoTune`).
+An endpoint's score is the number of leading blocks of the new prompt found in
+its LRU divided by the prompt's block count.
+
+Blocks are `blockSizeTokens` tokens. With token ids in the request (a completion
+sent as ids, or a tokenizer that ran earlier) blocks are token blocks; otherwise
+they are `blockSizeTokens × 4` characters (the usual ~4 characters per token), or
+the legacy `blockSize` characters when that llm-d parameter is given.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Self
+
+from pydantic import Field
+
+from servegate.pool.endpoint import EndpointState
+from servegate.scheduling.framework import CycleState, Decision
+from servegate.scheduling.prefix.hashing import (
+    chain_seed,
+    char_block_hashes,
+    token_block_hashes,
+)
+from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
+from servegate.scheduling.request import LLMRequest
+
+CHARS_PER_TOKEN = 4
+HASHES_KEY = "prefix.approx.hashes"
+
+
+class ApproxPrefixParameters(Parameters):
+    auto_tune: bool = Field(True, alias="autoTune")
+    block_size_tokens: int = Field(16, alias="blockSizeTokens", ge=1)
+    block_size: int | None = Field(None, alias="blockSize", ge=1)
+    """Deprecated llm-d field: block size in characters."""
+    max_prefix_blocks_to_match: int = Field(256, alias="maxPrefixBlocksToMatch", ge=1)
+    lru_capacity_per_server: int = Field(31250, alias="lruCapacityPerServer", ge=1)
+
+
+class ServerLRU:
+    """Block keys one endpoint is believed to hold, least recently used first."""
+
+    __slots__ = ("capacity", "keys")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.keys: OrderedDict[int, None] = OrderedDict()
+
+    def add(self, key: int) -> int | None:
+        """Insert or refresh `key`; return the evicted key, if any."""
+        keys = self.keys
+        if key in keys:
+            keys.move_to_end(key)
+            return None
+        keys[key] = None
+        if len(keys) > self.capacity:
+            return keys.popitem(last=False)[0]
+        return None
+
+
+class ApproxPrefixIndex:
+    """Per-endpoint LRUs plus a reverse map key → endpoints, for one pass per prompt."""
+
+    def __init__(self, default_capacity: int) -> None:
+        self.default_capacity = default_capacity
+        self._servers: dict[str, ServerLRU] = {}
+        self._where: dict[int, set[str]] = {}
+
+    def __len__(self) -> int:
+        return sum(len(s.keys) for s in self._servers.values())
+
+    def insert(self, address: str, keys: Sequence[int], capacity: int | None = None) -> None:
+        lru = self._servers.get(address)
+        if lru is None:
+            lru = self._servers[address] = ServerLRU(capacity or self.default_capacity)
+        elif capacity is not None:
+            lru.capacity = capacity
+        where = self._where
+        for key in keys:
+            holders = where.get(key)
+            if holders is None:
+                where[key] = {address}
+            else:
+                holders.add(address)
+            evicted = lru.add(key)
+            if evicted is not None:
+                gone = where.get(evicted)
+                if gone is not None:
+                    gone.discard(address)
+                    if not gone:
+                        del where[evicted]
+
+    def remove_server(self, address: str) -> None:
+        lru = self._servers.pop(address, None)
+        if lru is None:
+            return
+        for key in lru.keys:
+            holders = self._where.get(key)
+            if holders is not None:
+                holders.discard(address)
+                if not holders:
+                    del self._where[key]
+
+    def match_lengths(self, keys: Sequence[int], addresses: Sequence[str]) -> dict[str, int]:
+        """Leading blocks of `keys` each address holds."""
+        matched = dict.fromkeys(addresses, 0)
+        alive = set(addresses)
+        where = self._where
+        for i, key in enumerate(keys):
+            holders = where.get(key)
+            if not holders:
+                break
+            still = alive & holders
+            if not still:
+                break
+            for address in still:
+                matched[address] = i + 1
+            alive = still
+        return matched
+
+
+class PrefixCacheScorer:
+    """`prefix-cache-scorer`: matched leading blocks / prompt blocks, from routing history."""
+
+    type: ClassVar[str] = "prefix-cache-scorer"
+
+    def __init__(self, name: str, params: ApproxPrefixParameters) -> None:
+        self.name = name
+        self.params = params
+        self.index = ApproxPrefixIndex(params.lru_capacity_per_server)
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        return cls(name, decode_parameters(ApproxPrefixParameters, cls.type, name, parameters))
+
+    def block_keys(self, request: LLMRequest) -> list[int]:
+        cached = request.cache.get(HASHES_KEY)
+        if cached is not None:
+            keys: list[int] = cached
+            return keys
+        p = self.params
+        seed = chain_seed(request.base_model, request.lora)
+        tokens = request.cache.get("token_ids")
+        if tokens is not None:
+            keys = token_block_hashes(
+                tokens, p.block_size_tokens, seed, p.max_prefix_blocks_to_match
+            )
+        else:
+            chars = p.block_size or p.block_size_tokens * CHARS_PER_TOKEN
+            keys = char_block_hashes(request.prompt, chars, seed, p.max_prefix_blocks_to_match)
+        request.cache[HASHES_KEY] = keys
+        return keys
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> Sequence[float]:
+        keys = self.block_keys(request)
+        if not keys:
+            return [0.0] * len(endpoints)
+        matched = self.index.match_lengths(keys, [e.address for e in endpoints])
+        total = len(keys)
+        return [matched[e.address] / total for e in endpoints]
+
+    def _capacity(self, state: EndpointState) -> int | None:
+        if not self.params.auto_tune:
+            return None
+        m = state.metrics
+        if not m.num_blocks or not m.block_size:
+            return None
+        # engine blocks of block_size tokens → our blocks of block_size_tokens tokens
+        return max(1, m.num_blocks * m.block_size // self.params.block_size_tokens)
+
+    def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None:
+        keys = self.block_keys(request)
+        if not keys:
+            return
+        for state in (decision.endpoint, decision.prefill):
+            if state is not None:
+                self.index.insert(state.address, keys, self._capacity(state))

@@ -1,0 +1,45 @@
+"""Chained block hashes of a prompt, the keys every prefix index shares.
+
+Block i's key is xxh3-64 of the block's bytes seeded with block i-1's key; the
+chain starts from a hash of the model (and LoRA adapter) name, so the same text
+under two models never collides. Equal keys mean equal prefixes up to that block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import xxhash
+
+_h = xxhash.xxh3_64_intdigest
+
+
+def chain_seed(model: str, lora: str | None = None) -> int:
+    return _h(f"{model}\x00{lora or ''}".encode())
+
+
+def char_block_hashes(text: str, block_chars: int, seed: int, max_blocks: int) -> list[int]:
+    """Keys of the full `block_chars`-character blocks of `text` (a trailing partial block is
+    not cached by any engine, so it has no key)."""
+    data = text.encode("utf-8", "surrogatepass")
+    n = min(len(data) // block_chars, max_blocks)
+    out = []
+    prev = seed
+    for i in range(n):
+        prev = _h(data[i * block_chars : (i + 1) * block_chars], prev)
+        out.append(prev)
+    return out
+
+
+def token_block_hashes(
+    tokens: Sequence[int], block_tokens: int, seed: int, max_blocks: int
+) -> list[int]:
+    """Keys of the full `block_tokens`-token blocks of a token-id sequence."""
+    n = min(len(tokens) // block_tokens, max_blocks)
+    out = []
+    prev = seed
+    for i in range(n):
+        block = tokens[i * block_tokens : (i + 1) * block_tokens]
+        prev = _h(b"".join(t.to_bytes(4, "little", signed=False) for t in block), prev)
+        out.append(prev)
+    return out

@@ -1,0 +1,359 @@
+"""The scheduler: runs the profile handler's profiles and returns a Decision.
+
+Per profile: filters in order, then every scorer; each score is clamped to
+[0, 1] (NaN → 0) and multiplied by the scorer's weight; the weighted columns
+are summed and the picker ranks the endpoints. `schedule` is pure: no I/O, no
+clock reads for decisions (time is `cycle.now`, randomness `cycle.rng`).
+`time.perf_counter_ns` is read only to account time per plugin in `stats`.
+
+Per-endpoint breakdowns are kept column-wise; `ProfileResult.scores` and
+`.totals` are lazy read-only views that build a row only when someone reads
+it (debug headers, logs), so the hot path allocates no per-endpoint dicts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from time import perf_counter_ns
+from typing import Any
+
+from servegate.pool.endpoint import EndpointState
+from servegate.scheduling.framework import (
+    CycleState,
+    Decision,
+    NoCandidates,
+    Plugin,
+    PreRequest,
+    ProfileHandler,
+    ProfileResult,
+    ResponseComplete,
+    SchedulerProfile,
+)
+from servegate.scheduling.profiles import ProfileSetCheck
+from servegate.scheduling.request import LLMRequest
+
+
+@dataclass(slots=True)
+class PluginTiming:
+    """Time spent in one plugin, for the gateway's exporter."""
+
+    calls: int = 0
+    """How many times the plugin ran."""
+    total_ns: int = 0
+    """Cumulative wall time inside the plugin, in nanoseconds."""
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Counters the scheduler keeps; exporters read them, nothing resets them."""
+
+    cycles: int = 0
+    """Calls to `schedule`."""
+    no_candidates: int = 0
+    """Cycles that ended with `NoCandidates`."""
+    plugins: dict[str, PluginTiming] = field(default_factory=dict)
+    """Per plugin name: time in filter/score/pick/profile-handler calls."""
+    hooks: dict[str, PluginTiming] = field(default_factory=dict)
+    """Per plugin name: time in `pre_request` / `response_complete` hooks."""
+
+
+def clamp(x: float) -> float:
+    """`x` limited to [0, 1]; NaN → 0."""
+    return 1.0 if x >= 1.0 else (x if x > 0.0 else 0.0)
+
+
+class ScoreTable(Mapping[str, Mapping[str, float]]):
+    """`table[address][scorer name]` → weighted score, built row by row on demand.
+
+    Holds each scorer's raw output and weight; clamping and weighting happen
+    when a row is read, exactly as they did for the totals.
+    """
+
+    __slots__ = ("_endpoints", "_index", "_names", "_raw", "_weights")
+
+    def __init__(
+        self,
+        endpoints: list[EndpointState],
+        names: list[str],
+        weights: list[float],
+        raw: list[Sequence[float]],
+    ) -> None:
+        self._endpoints = endpoints
+        self._names = names
+        self._weights = weights
+        self._raw = raw
+        self._index: dict[str, int] | None = None
+
+    def _position(self, address: str) -> int:
+        if self._index is None:
+            self._index = {s.endpoint.address: i for i, s in enumerate(self._endpoints)}
+        return self._index[address]
+
+    def __getitem__(self, address: str) -> dict[str, float]:
+        i = self._position(address)
+        return {
+            name: w * clamp(column[i])
+            for name, w, column in zip(self._names, self._weights, self._raw, strict=True)
+        }
+
+    def __iter__(self) -> Iterator[str]:
+        return (s.endpoint.address for s in self._endpoints)
+
+    def __len__(self) -> int:
+        return len(self._endpoints)
+
+    def to_dict(self) -> dict[str, dict[str, float]]:
+        names = self._names
+        columns = [
+            [w if x >= 1.0 else (w * x if x > 0.0 else 0.0) for x in raw]
+            for w, raw in zip(self._weights, self._raw, strict=True)
+        ]
+        if not columns:
+            return {s.endpoint.address: {} for s in self._endpoints}
+        rows = zip(*columns, strict=True)
+        return {
+            s.endpoint.address: dict(zip(names, row, strict=True))
+            for s, row in zip(self._endpoints, rows, strict=True)
+        }
+
+    def __repr__(self) -> str:
+        return f"ScoreTable({self.to_dict()!r})"
+
+
+class TotalsView(Mapping[str, float]):
+    """`totals[address]` → summed weighted score, looked up on demand."""
+
+    __slots__ = ("_endpoints", "_index", "_totals")
+
+    def __init__(self, endpoints: list[EndpointState], totals: list[float]) -> None:
+        self._endpoints = endpoints
+        self._totals = totals
+        self._index: dict[str, int] | None = None
+
+    def __getitem__(self, address: str) -> float:
+        if self._index is None:
+            self._index = {s.endpoint.address: i for i, s in enumerate(self._endpoints)}
+        return self._totals[self._index[address]]
+
+    def __iter__(self) -> Iterator[str]:
+        return (s.endpoint.address for s in self._endpoints)
+
+    def __len__(self) -> int:
+        return len(self._endpoints)
+
+    def to_dict(self) -> dict[str, float]:
+        return {s.endpoint.address: t for s, t in zip(self._endpoints, self._totals, strict=True)}
+
+    def __repr__(self) -> str:
+        return f"TotalsView({self.to_dict()!r})"
+
+
+def result_as_dict(result: ProfileResult) -> dict[str, Any]:
+    """A JSON-ready copy of one profile's result: ranking, totals and per-scorer scores."""
+    scores, totals = result.scores, result.totals
+    return {
+        "ranked": [s.endpoint.address for s in result.ranked],
+        "totals": totals.to_dict() if isinstance(totals, TotalsView) else dict(totals),
+        "scores": (
+            scores.to_dict()
+            if isinstance(scores, ScoreTable)
+            else {a: dict(row) for a, row in scores.items()}
+        ),
+    }
+
+
+def _describe(plugin: Plugin) -> dict[str, Any]:
+    return {"type": plugin.type, "name": plugin.name}
+
+
+class Scheduler:
+    """Runs `handler`'s profiles over the candidates; `plugins` are all configured plugins."""
+
+    __slots__ = (
+        "_hooks_complete",
+        "_hooks_pre",
+        "_timings",
+        "handler",
+        "plugins",
+        "profiles",
+        "stats",
+    )
+
+    def __init__(
+        self,
+        profiles: Mapping[str, SchedulerProfile],
+        handler: ProfileHandler,
+        plugins: Mapping[str, Plugin],
+    ) -> None:
+        if not profiles:
+            raise ValueError("a scheduler needs at least one scheduling profile")
+        if isinstance(handler, ProfileSetCheck):
+            handler.check_profiles(profiles)
+        self.profiles = dict(profiles)
+        self.handler = handler
+        self.plugins = dict(plugins)
+        self.stats = SchedulerStats()
+        timed: list[Plugin] = [handler, *self.plugins.values()]
+        for profile in self.profiles.values():
+            timed.extend(profile.filters)
+            timed.extend(ws.scorer for ws in profile.scorers)
+            timed.append(profile.picker)
+        for plugin in timed:
+            self.stats.plugins.setdefault(plugin.name, PluginTiming())
+        self._timings = self.stats.plugins
+        self._hooks_pre = [p for p in self.plugins.values() if isinstance(p, PreRequest)]
+        self._hooks_complete = [p for p in self.plugins.values() if isinstance(p, ResponseComplete)]
+        for hook in (*self._hooks_pre, *self._hooks_complete):
+            self.stats.hooks.setdefault(hook.name, PluginTiming())
+
+    # -- the decision ------------------------------------------------------------------
+    def schedule(
+        self, request: LLMRequest, candidates: list[EndpointState], cycle: CycleState
+    ) -> Decision:
+        """Choose an endpoint (and fallbacks) for `request` among `candidates`.
+
+        Raises `NoCandidates` when nothing survives the filters.
+        """
+        stats = self.stats
+        stats.cycles += 1
+        if not candidates:
+            stats.no_candidates += 1
+            raise NoCandidates("no candidate endpoints")
+        handler = self.handler
+        profiles = self.profiles
+        timing = self._timings[handler.name]
+        results: dict[str, ProfileResult | None] = {}
+        t0 = perf_counter_ns()
+        names = handler.pick_profiles(cycle, request, profiles, results)
+        timing.calls += 1
+        timing.total_ns += perf_counter_ns() - t0
+        while names:
+            for name in names:
+                if name in results:
+                    raise RuntimeError(
+                        f"profile handler {handler.name!r} asked to run profile {name!r} twice"
+                    )
+                profile = profiles.get(name)
+                if profile is None:
+                    raise RuntimeError(
+                        f"profile handler {handler.name!r} asked for unknown profile {name!r}"
+                    )
+                results[name] = self._run_profile(profile, cycle, request, candidates)
+            t0 = perf_counter_ns()
+            names = handler.pick_profiles(cycle, request, profiles, results)
+            timing.calls += 1
+            timing.total_ns += perf_counter_ns() - t0
+        t0 = perf_counter_ns()
+        decision = handler.process_results(cycle, request, results)
+        timing.calls += 1
+        timing.total_ns += perf_counter_ns() - t0
+        if decision is None:
+            stats.no_candidates += 1
+            ran = ", ".join(results) or "none"
+            raise NoCandidates(f"no endpoint survived the scheduling profiles ({ran})")
+        return decision
+
+    def _run_profile(
+        self,
+        profile: SchedulerProfile,
+        cycle: CycleState,
+        request: LLMRequest,
+        candidates: list[EndpointState],
+    ) -> ProfileResult | None:
+        timings = self._timings
+        endpoints = candidates
+        t0 = perf_counter_ns()
+        for flt in profile.filters:
+            endpoints = flt.filter(cycle, request, endpoints)
+            t1 = perf_counter_ns()
+            timing = timings[flt.name]
+            timing.calls += 1
+            timing.total_ns += t1 - t0
+            t0 = t1
+            if not endpoints:
+                return None
+        if endpoints is candidates:
+            endpoints = list(candidates)
+        n = len(endpoints)
+        names: list[str] = []
+        weights: list[float] = []
+        raws: list[Sequence[float]] = []
+        totals: list[float] | None = None
+        for weighted in profile.scorers:
+            scorer = weighted.scorer
+            raw = scorer.score(cycle, request, endpoints)
+            if len(raw) != n:
+                raise ValueError(
+                    f"scorer {scorer.name!r} returned {len(raw)} scores for {n} endpoints"
+                )
+            w = weighted.weight
+            if totals is None:
+                totals = [w if x >= 1.0 else (w * x if x > 0.0 else 0.0) for x in raw]
+            else:
+                totals = [
+                    t + (w if x >= 1.0 else (w * x if x > 0.0 else 0.0))
+                    for t, x in zip(totals, raw, strict=False)
+                ]
+            names.append(scorer.name)
+            weights.append(w)
+            raws.append(raw)
+            t1 = perf_counter_ns()
+            timing = timings[scorer.name]
+            timing.calls += 1
+            timing.total_ns += t1 - t0
+            t0 = t1
+        if totals is None:
+            totals = [0.0] * n
+        picker = profile.picker
+        ranked = picker.pick(cycle, request, endpoints, totals)
+        timing = timings[picker.name]
+        timing.calls += 1
+        timing.total_ns += perf_counter_ns() - t0
+        if not ranked:
+            return None
+        return ProfileResult(
+            ranked=ranked,
+            scores=ScoreTable(endpoints, names, weights, raws),
+            totals=TotalsView(endpoints, totals),
+        )
+
+    # -- hooks the gateway calls around the request -----------------------------------
+    def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None:
+        """Tell every `PreRequest` plugin what was decided, before the request is sent."""
+        hooks = self.stats.hooks
+        for plugin in self._hooks_pre:
+            t0 = perf_counter_ns()
+            plugin.pre_request(request, decision, now)
+            timing = hooks[plugin.name]
+            timing.calls += 1
+            timing.total_ns += perf_counter_ns() - t0
+
+    def response_complete(self, request: LLMRequest, endpoint: EndpointState, now: float) -> None:
+        """Tell every `ResponseComplete` plugin that `endpoint` finished serving `request`."""
+        hooks = self.stats.hooks
+        for plugin in self._hooks_complete:
+            t0 = perf_counter_ns()
+            plugin.response_complete(request, endpoint, now)
+            timing = hooks[plugin.name]
+            timing.calls += 1
+            timing.total_ns += perf_counter_ns() - t0
+
+    # -- introspection ---------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """The resolved configuration as plain data (for `servegate config check`)."""
+        return {
+            "profileHandler": _describe(self.handler),
+            "schedulingProfiles": [
+                {
+                    "name": name,
+                    "filters": [_describe(f) for f in profile.filters],
+                    "scorers": [
+                        {**_describe(ws.scorer), "weight": ws.weight} for ws in profile.scorers
+                    ],
+                    "picker": _describe(profile.picker),
+                }
+                for name, profile in self.profiles.items()
+            ],
+            "plugins": [_describe(p) for p in self.plugins.values()],
+        }

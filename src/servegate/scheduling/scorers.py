@@ -1,0 +1,258 @@
+"""Scorers: one number per endpoint, higher is better.
+
+Each scorer is a pure function of the request and the endpoints' state; the
+framework clamps what it returns to [0, 1] (NaN counts as 0) and applies the
+weight. Type strings, parameter names and defaults are llm-d's / the Gateway API
+Inference Extension's; `docs/plugins.md` gives each formula with an example.
+
+Stale metrics: like llm-d, scorers read `EndpointMetrics` as they are, whatever
+their age. Dropping endpoints whose metrics are stale is a filter's job
+(`fresh-metrics-filter`); the router's own counters (`active-request-scorer`,
+`token-load-scorer`) are never stale.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, ClassVar, Self
+
+from pydantic import Field, field_validator
+
+from servegate.pool.endpoint import EndpointState
+from servegate.scheduling.framework import CycleState
+from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
+from servegate.scheduling.request import LLMRequest
+
+LEGACY_KV_CACHE_TYPE = "kv-cache-scorer"
+"""The Gateway API Inference Extension's older name of `kv-cache-utilization-scorer`."""
+
+
+class NoParameters(Parameters):
+    pass
+
+
+def inverted_min_max(values: list[float]) -> list[float]:
+    """`(max - v)/(max - min)` for each value: the smallest gets 1, the largest 0.
+
+    All equal → 1 for everyone. A NaN value is left out of min/max and scores
+    NaN (the framework turns that into 0: unknown load is treated as worst).
+    """
+    if not values:
+        return []
+    lo = min(values)
+    hi = max(values)
+    if lo != lo or hi != hi:  # a leading NaN poisons min/max
+        finite = [v for v in values if v == v]
+        if not finite:
+            return [1.0] * len(values)
+        lo = min(finite)
+        hi = max(finite)
+    if hi == lo:
+        return [1.0] * len(values)
+    span = hi - lo
+    return [(hi - v) / span for v in values]
+
+
+class _Simple:
+    """Shared constructor/factory for scorers without parameters."""
+
+    __slots__ = ("name",)
+    type: ClassVar[str]
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or self.type
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        decode_parameters(NoParameters, cls.type, name, parameters)
+        return cls(name)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class QueueScorer(_Simple):
+    """Fewer waiting requests (`metrics.waiting`) is better, min-max normalised over candidates."""
+
+    __slots__ = ()
+    type: ClassVar[str] = "queue-scorer"
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> list[float]:
+        return inverted_min_max([s.metrics.waiting for s in endpoints])
+
+
+class RunningRequestsSizeScorer(_Simple):
+    """Fewer running requests (`metrics.running`) is better, min-max normalised over candidates."""
+
+    __slots__ = ()
+    type: ClassVar[str] = "running-requests-size-scorer"
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> list[float]:
+        return inverted_min_max([s.metrics.running for s in endpoints])
+
+
+class KVCacheUtilizationScorer(_Simple):
+    """More free KV cache is better: `1 - metrics.kv_usage`."""
+
+    __slots__ = ()
+    type: ClassVar[str] = "kv-cache-utilization-scorer"
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> list[float]:
+        return [1.0 - s.metrics.kv_usage for s in endpoints]
+
+
+_GO_DURATION = re.compile(r"^(?:\d+(?:\.\d+)?(?:ns|us|µs|ms|s|m|h))+$")
+
+
+class ActiveRequestParameters(Parameters):
+    idle_threshold: int = Field(0, alias="idleThreshold", ge=0)
+    max_busy_score: float = Field(1.0, alias="maxBusyScore", ge=0.0, le=1.0)
+    request_timeout: str | None = Field(None, alias="requestTimeout")
+
+    @field_validator("request_timeout")
+    @classmethod
+    def _duration(cls, value: str | None) -> str | None:
+        if value is not None and not _GO_DURATION.match(value):
+            raise ValueError("must be a duration such as '30s', '2m' or '1h'")
+        return value
+
+
+class ActiveRequestScorer:
+    """Fewer requests in flight from this router (`in_flight_requests`) is better.
+
+    llm-d's semantics: `count ≤ idleThreshold` → 1; otherwise
+    `(maxCount - count)/maxCount · maxBusyScore`, `maxCount` over the candidates.
+    The counts are the pool's, maintained by the gateway at dispatch and
+    completion, so `requestTimeout` (a leak guard for llm-d's own counter) is
+    accepted for compatibility and has nothing to do.
+    """
+
+    __slots__ = ("idle_threshold", "max_busy_score", "name")
+    type: ClassVar[str] = "active-request-scorer"
+
+    def __init__(
+        self, name: str | None = None, idle_threshold: int = 0, max_busy_score: float = 1.0
+    ) -> None:
+        self.name = name or self.type
+        self.idle_threshold = idle_threshold
+        self.max_busy_score = max_busy_score
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        p = decode_parameters(ActiveRequestParameters, cls.type, name, parameters)
+        return cls(name, p.idle_threshold, p.max_busy_score)
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> list[float]:
+        counts = [s.in_flight_requests for s in endpoints]
+        most = max(counts, default=0)
+        idle = self.idle_threshold
+        if most <= idle:
+            return [1.0] * len(counts)
+        if idle == 0 and self.max_busy_score == 1.0:  # the defaults: count 0 gives 1 by itself
+            return [(most - c) / most for c in counts]
+        scale = self.max_busy_score / most
+        return [1.0 if c <= idle else (most - c) * scale for c in counts]
+
+
+class LoadAwareParameters(Parameters):
+    threshold: int = Field(128, gt=0)
+
+
+class LoadAwareScorer:
+    """llm-d's load-aware scorer: an empty queue scores 0.5, a full one (≥ threshold) 0.
+
+    `q = 0 → 0.5`, else `0.5 · (1 - min(q, threshold)/threshold)`.
+    """
+
+    __slots__ = ("name", "threshold")
+    type: ClassVar[str] = "load-aware-scorer"
+
+    def __init__(self, name: str | None = None, threshold: int = 128) -> None:
+        self.name = name or self.type
+        self.threshold = float(threshold)
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        p = decode_parameters(LoadAwareParameters, cls.type, name, parameters)
+        return cls(name, p.threshold)
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> list[float]:
+        t = self.threshold
+        half_per_request = 0.5 / t
+        return [
+            0.5 - q * half_per_request if q < t else 0.0
+            for q in [s.metrics.waiting for s in endpoints]
+        ]
+
+
+class TokenLoadParameters(Parameters):
+    queue_threshold_tokens: int = Field(4_194_304, alias="queueThresholdTokens", gt=0)
+
+
+class TokenLoadScorer:
+    """Fewer tokens in flight from this router (`in_flight_tokens`) is better.
+
+    `1 - min(1, in_flight_tokens / queueThresholdTokens)`; no tokens → 1.
+    """
+
+    __slots__ = ("name", "queue_threshold_tokens")
+    type: ClassVar[str] = "token-load-scorer"
+
+    def __init__(self, name: str | None = None, queue_threshold_tokens: int = 4_194_304) -> None:
+        self.name = name or self.type
+        self.queue_threshold_tokens = float(queue_threshold_tokens)
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        p = decode_parameters(TokenLoadParameters, cls.type, name, parameters)
+        return cls(name, p.queue_threshold_tokens)
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> list[float]:
+        t = self.queue_threshold_tokens
+        return [1.0 - n / t if n < t else 0.0 for n in [s.in_flight_tokens for s in endpoints]]
+
+
+class LoraAffinityScorer(_Simple):
+    """Prefer replicas that already run the requested LoRA adapter, then ones with a free slot.
+
+    1.0 adapter running; 0.8 a slot is free (`|running | waiting| < max_lora`);
+    0.6 adapter waiting; 0 otherwise, and 0 for a replica that publishes no LoRA
+    state. A request for the base model scores 1.0 everywhere.
+    """
+
+    __slots__ = ()
+    type: ClassVar[str] = "lora-affinity-scorer"
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> list[float]:
+        adapter = request.lora
+        if not adapter:
+            return [1.0] * len(endpoints)
+        out: list[float] = []
+        for s in endpoints:
+            info = s.metrics.lora
+            if info is None:
+                out.append(0.0)
+            elif adapter in info.running:
+                out.append(1.0)
+            elif len(info.running | info.waiting) < info.max_lora:
+                out.append(0.8)
+            elif adapter in info.waiting:
+                out.append(0.6)
+            else:
+                out.append(0.0)
+        return out

@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks that users of servegate can use too."""

@@ -1,0 +1,59 @@
+"""Run a gateway inside the current event loop on a free loopback port."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from servegate.config import ServegateConfig, parse_config
+from servegate.gateway.app import GATEWAY, Gateway, build_gateway, create_app
+
+
+class GatewayRunner:
+    """`async with GatewayRunner(cfg) as gw:` — `gw.url`, `gw.gateway`, `gw.access_lines()`."""
+
+    def __init__(
+        self,
+        config: ServegateConfig | dict[str, Any],
+        config_dir: Path | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
+        if isinstance(config, dict):
+            config = parse_config("", "<test>", environ={}, overrides=config)
+        self.config = config
+        self._config_dir = config_dir
+        self.host = host
+        self.access_stream = io.BytesIO()
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def __aenter__(self) -> GatewayRunner:
+        gw = build_gateway(self.config, self._config_dir, self.access_stream)
+        self.app = create_app(gw)
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.config.gateway.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def gateway(self) -> Gateway:
+        return self.app[GATEWAY]
+
+    def access_lines(self) -> list[dict[str, Any]]:
+        import orjson
+
+        return [orjson.loads(line) for line in self.access_stream.getvalue().splitlines() if line]

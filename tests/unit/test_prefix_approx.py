@@ -1,0 +1,142 @@
+import random
+
+import pytest
+
+from servegate.pool.endpoint import Endpoint, EndpointMetrics, EndpointState
+from servegate.scheduling.framework import CycleState, Decision
+from servegate.scheduling.prefix.approx import (
+    ApproxPrefixIndex,
+    ApproxPrefixParameters,
+    PrefixCacheScorer,
+    ServerLRU,
+)
+from servegate.scheduling.prefix.hashing import chain_seed, char_block_hashes, token_block_hashes
+from servegate.scheduling.request import LLMRequest, RequestKind
+
+
+def state(address: str, **metrics: float) -> EndpointState:
+    return EndpointState(
+        endpoint=Endpoint(address=address, url=f"http://{address}"),
+        metrics=EndpointMetrics(**metrics),  # type: ignore[arg-type]
+        healthy=True,
+    )
+
+
+def request(prompt: str, model: str = "m", lora: str | None = None) -> LLMRequest:
+    return LLMRequest(
+        request_id="r",
+        kind=RequestKind.COMPLETION,
+        model=model,
+        target_model=model,
+        base_model=model,
+        lora=lora,
+        prompt=prompt,
+    )
+
+
+def cycle() -> CycleState:
+    return CycleState(now=0.0, rng=random.Random(0))
+
+
+def test_char_hashes_chain_and_drop_partial_block() -> None:
+    seed = chain_seed("m")
+    a = char_block_hashes("a" * 10, 4, seed, 100)
+    assert len(a) == 2  # 10 // 4 full blocks; the trailing 2 characters have no key
+    b = char_block_hashes("a" * 8 + "b" * 4, 4, seed, 100)
+    assert a == b[:2]  # same prefix, same keys
+    assert b[2] != b[1]
+    assert len(char_block_hashes("a" * 100, 4, seed, 5)) == 5  # maxPrefixBlocksToMatch
+
+
+def test_seed_separates_models_and_adapters() -> None:
+    keys = {
+        tuple(char_block_hashes("x" * 8, 4, chain_seed(model, lora), 9))
+        for model, lora in [("m", None), ("n", None), ("m", "a1")]
+    }
+    assert len(keys) == 3
+
+
+def test_token_hashes_match_on_common_prefix() -> None:
+    seed = chain_seed("m")
+    a = token_block_hashes([1, 2, 3, 4, 5, 6, 7], 2, seed, 9)
+    b = token_block_hashes([1, 2, 3, 4, 9, 9], 2, seed, 9)
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
+
+
+def test_server_lru_evicts_least_recently_used() -> None:
+    lru = ServerLRU(2)
+    assert lru.add(1) is None and lru.add(2) is None
+    assert lru.add(1) is None  # refresh 1 → 2 is now the oldest
+    assert lru.add(3) == 2
+    assert list(lru.keys) == [1, 3]
+
+
+def test_index_match_lengths_are_leading_runs() -> None:
+    index = ApproxPrefixIndex(100)
+    index.insert("a", [1, 2, 3])
+    index.insert("b", [1, 2])
+    index.insert("c", [2, 3])  # holds later blocks but not the first: no leading match
+    assert index.match_lengths([1, 2, 3, 4], ["a", "b", "c", "d"]) == {
+        "a": 3,
+        "b": 2,
+        "c": 0,
+        "d": 0,
+    }
+
+
+def test_index_eviction_updates_reverse_map() -> None:
+    index = ApproxPrefixIndex(2)
+    index.insert("a", [1, 2, 3])  # capacity 2: key 1 evicted
+    assert index.match_lengths([1], ["a"]) == {"a": 0}
+    assert index.match_lengths([1, 2, 3], ["a"]) == {"a": 0}  # the leading block is gone
+    assert index.match_lengths([2, 3], ["a"]) == {"a": 2}
+    assert len(index) == 2
+    index.remove_server("a")
+    assert len(index) == 0 and index.match_lengths([2], ["a"]) == {"a": 0}
+
+
+@pytest.mark.parametrize(
+    ("sent", "asked", "expected"),
+    [
+        # 64-char blocks (16 tokens × 4): 256 chars = 4 blocks
+        pytest.param("s" * 256, "s" * 256, 1.0, id="same-prompt"),
+        pytest.param("s" * 128 + "x" * 128, "s" * 128 + "y" * 128, 0.5, id="half"),  # 2 of 4
+        pytest.param("s" * 256, "t" * 256, 0.0, id="different"),
+    ],
+)
+def test_scorer_after_dispatch(sent: str, asked: str, expected: float) -> None:
+    scorer = PrefixCacheScorer("p", ApproxPrefixParameters())
+    a, b = state("a:1"), state("b:1")
+    first = request(sent)
+    scorer.pre_request(first, Decision(endpoint=a, fallbacks=[b]), 0.0)
+    scores = scorer.score(cycle(), request(asked), [a, b])
+    assert list(scores) == [expected, 0.0]
+
+
+def test_prompt_shorter_than_a_block_scores_zero() -> None:
+    scorer = PrefixCacheScorer("p", ApproxPrefixParameters())
+    assert list(scorer.score(cycle(), request("short"), [state("a:1")])) == [0.0]
+
+
+def test_token_ids_use_token_blocks() -> None:
+    scorer = PrefixCacheScorer("p", ApproxPrefixParameters.model_validate({"blockSizeTokens": 2}))
+    a = state("a:1")
+    sent = request("")
+    sent.cache["token_ids"] = [1, 2, 3, 4]
+    scorer.pre_request(sent, Decision(endpoint=a, fallbacks=[]), 0.0)
+    asked = request("")
+    asked.cache["token_ids"] = [1, 2, 7, 7]
+    assert list(scorer.score(cycle(), asked, [a])) == [0.5]  # 1 of 2 token blocks
+
+
+def test_auto_tune_capacity_from_cache_geometry() -> None:
+    scorer = PrefixCacheScorer("p", ApproxPrefixParameters.model_validate({"blockSizeTokens": 16}))
+    small = state("a:1", num_blocks=2, block_size=16)  # 2 × 16 / 16 = 2 blocks of ours
+    scorer.pre_request(request("q" * 64 * 3), Decision(endpoint=small, fallbacks=[]), 0.0)
+    assert len(scorer.index) == 2
+
+
+def test_legacy_character_block_size() -> None:
+    params = ApproxPrefixParameters.model_validate({"blockSize": 4})
+    scorer = PrefixCacheScorer("p", params)
+    assert len(scorer.block_keys(request("abcdefgh"))) == 2

@@ -1,0 +1,144 @@
+"""The built-in registry, the plugin context and strict parameter decoding."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import Field
+
+from servegate.scheduling.framework import Filter, Picker, Plugin, ProfileHandler, Scorer
+from servegate.scheduling.registry import (
+    Parameters,
+    PluginContext,
+    PluginParameterError,
+    builtin_registry,
+    decode_parameters,
+)
+
+BUILTIN_TYPES = {
+    "queue-scorer": Scorer,
+    "kv-cache-utilization-scorer": Scorer,
+    "kv-cache-scorer": Scorer,
+    "running-requests-size-scorer": Scorer,
+    "active-request-scorer": Scorer,
+    "load-aware-scorer": Scorer,
+    "token-load-scorer": Scorer,
+    "lora-affinity-scorer": Scorer,
+    "prefix-cache-scorer": Scorer,
+    "label-selector-filter": Filter,
+    "by-label-selector": Filter,
+    "decode-filter": Filter,
+    "prefill-filter": Filter,
+    "fresh-metrics-filter": Filter,
+    "max-score-picker": Picker,
+    "random-picker": Picker,
+    "weighted-random-picker": Picker,
+    "single-profile-handler": ProfileHandler,
+}
+ALIASES = {
+    "kv-cache-scorer": "kv-cache-utilization-scorer",
+    "by-label-selector": "label-selector-filter",
+}
+
+
+def test_registry_lists_exactly_the_builtin_types() -> None:
+    assert set(builtin_registry()) == set(BUILTIN_TYPES)
+
+
+def test_registry_is_a_fresh_dict_each_time() -> None:
+    first = builtin_registry()
+    first.pop("queue-scorer")
+    assert "queue-scorer" in builtin_registry()
+
+
+@pytest.mark.parametrize("plugin_type", sorted(BUILTIN_TYPES))
+def test_every_builtin_builds_with_defaults_and_keeps_its_name(plugin_type: str) -> None:
+    plugin = builtin_registry()[plugin_type]("my-name", {}, PluginContext())
+    assert isinstance(plugin, Plugin)
+    assert isinstance(plugin, BUILTIN_TYPES[plugin_type])
+    assert plugin.name == "my-name"
+    assert plugin.type == ALIASES.get(plugin_type, plugin_type)
+
+
+@pytest.mark.parametrize("plugin_type", sorted(BUILTIN_TYPES))
+def test_every_builtin_rejects_unknown_parameters(plugin_type: str) -> None:
+    with pytest.raises(PluginParameterError) as info:
+        builtin_registry()[plugin_type]("p", {"bogusKey": 1}, PluginContext())
+    assert "unknown parameter 'bogusKey'" in str(info.value)
+    assert info.value.name == "p"
+
+
+class Sample(Parameters):
+    block_size: int = Field(64, alias="blockSizeTokens", gt=0)
+    ratio: float = 0.5
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        pytest.param(None, (64, 0.5), id="none-is-defaults"),
+        pytest.param({}, (64, 0.5), id="empty-is-defaults"),
+        pytest.param({"blockSizeTokens": 16, "ratio": 1}, (16, 1.0), id="int-for-float-ok"),
+    ],
+)
+def test_decode_parameters(raw: dict[str, Any] | None, expected: tuple[int, float]) -> None:
+    params = decode_parameters(Sample, "sample", "sample", raw)
+    assert (params.block_size, params.ratio) == expected
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragments"),
+    [
+        pytest.param(
+            {"block_size": 3},
+            ["unknown parameter 'block_size'", "accepted parameters: blockSizeTokens, ratio"],
+            id="python-name-is-not-the-parameter-name",
+        ),
+        pytest.param({"blockSizeTokens": "64"}, ["'blockSizeTokens'", "got '64'"], id="str"),
+        pytest.param({"blockSizeTokens": 0}, ["greater than 0"], id="range"),
+        pytest.param({"ratio": "x", "extra": 1}, ["'ratio'", "'extra'"], id="every-problem"),
+        pytest.param([1, 2], ["`parameters` must be a mapping, got list"], id="not-a-mapping"),
+    ],
+)
+def test_decode_parameter_errors(raw: Any, fragments: list[str]) -> None:
+    with pytest.raises(PluginParameterError) as info:
+        decode_parameters(Sample, "sample", "mine", raw)
+    message = str(info.value)
+    assert message.startswith("plugin 'mine' (type 'sample'): ")
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_parameter_error_label_is_just_the_type_when_unnamed() -> None:
+    with pytest.raises(PluginParameterError, match=r"^sample: unknown parameter 'x'"):
+        decode_parameters(Sample, "sample", "sample", {"x": 1})
+
+
+def test_parameters_are_frozen() -> None:
+    params = decode_parameters(Sample, "sample", "sample", {})
+    with pytest.raises(ValueError, match="frozen"):
+        params.ratio = 0.9
+
+
+class Index:
+    pass
+
+
+def test_plugin_context_carries_shared_services() -> None:
+    index = Index()
+    ctx = PluginContext(staleness_s=3.0, services={"prefix-index": index})
+    assert ctx.staleness_s == 3.0
+    assert ctx.service("prefix-index", Index) is index
+    with pytest.raises(LookupError, match=r"no shared service 'tokenizer'.*prefix-index"):
+        ctx.service("tokenizer", Index)
+    with pytest.raises(TypeError, match="is a Index, expected str"):
+        ctx.service("prefix-index", str)
+
+
+def test_plugin_context_defaults() -> None:
+    ctx = PluginContext()
+    assert ctx.staleness_s == 2.0
+    assert dict(ctx.services) == {}
+    with pytest.raises(LookupError, match=r"\(available: none\)"):
+        ctx.service("x", object)
