@@ -149,7 +149,7 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
     record = AccessRecord(request_id=rid, method=request.method, path=request.path)
     response: web.StreamResponse | None = None
     model_labels = ("unknown", "unknown")
-    running = None
+    series = None
     try:
         _authorise(gw, request)
         body = await _read_body(gw, request)
@@ -158,8 +158,8 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         _resolve_model(gw, llm)
         record.target_model = llm.target_model
         model_labels = (llm.model, llm.target_model)
-        running = gw.metrics.running.labels(llm.model)
-        running.inc()
+        series = gw.metrics.objective(llm.model, llm.target_model)
+        series.running.inc()
         now = time.monotonic()
         candidates = gw.pool.candidates(llm.base_model, now, llm.lora)
         if not candidates:
@@ -203,24 +203,22 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         response = render(exc, {"X-Request-ID": rid})
         return response
     finally:
-        if running is not None:
-            running.dec()
         elapsed = time.monotonic() - started
         record.latency_ms = elapsed * 1000.0
         if response is None and record.status == 0:
             record.status = 499
             record.error = record.error or "client disconnected"
-        if model_labels[0] != "unknown":
-            requests_total, duration, ttft = gw.metrics.objective(*model_labels)
-            requests_total.inc()
-            duration.observe(elapsed)
+        if series is not None:
+            series.running.dec()
+            series.requests.inc()
+            series.duration.observe(elapsed)
             if record.ttft_ms is not None:
-                ttft.observe(record.ttft_ms / 1000.0)
+                series.ttft.observe(record.ttft_ms / 1000.0)
             if record.prompt_tokens is not None:
-                gw.metrics.input_tokens.labels(*model_labels).observe(record.prompt_tokens)
+                series.input_tokens.observe(record.prompt_tokens)
             if record.completion_tokens is not None:
-                gw.metrics.output_tokens.labels(*model_labels).observe(record.completion_tokens)
-        gw.metrics.responses.labels(str(record.status)).inc()
+                series.output_tokens.observe(record.completion_tokens)
+        gw.metrics.response(record.status).inc()
         gw.access_log.write(record)
 
 

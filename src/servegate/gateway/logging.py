@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 import orjson
@@ -20,6 +20,8 @@ class AccessRecord:
     request_id: str
     method: str
     path: str
+    ts: float = field(default_factory=time.time)
+    logger: str = "servegate.access"
     model: str | None = None
     target_model: str | None = None
     endpoint: str | None = None
@@ -42,11 +44,8 @@ class AccessLog:
     def write(self, record: AccessRecord) -> None:
         if not self.enabled:
             return
-        line = asdict(record)
-        line["ts"] = time.time()
-        line["logger"] = "servegate.access"
         try:
-            self._stream.write(orjson.dumps(line) + b"\n")
+            self._stream.write(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
             self._stream.flush()
         except (OSError, ValueError):
             pass

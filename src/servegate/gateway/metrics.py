@@ -7,6 +7,7 @@ the hot path); pool gauges are computed only when /metrics is scraped.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -74,6 +75,16 @@ class _PoolCollector(Collector):
                 in_flight.add_metric([pool.name, s.address], s.in_flight_requests)
                 picks.add_metric([pool.name, s.address], s.picks)
         yield from (ready, kv, queue, per_pod, in_flight, picks)
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectiveSeries:
+    requests: Counter
+    duration: Histogram
+    ttft: Histogram
+    input_tokens: Histogram
+    output_tokens: Histogram
+    running: Gauge
 
 
 class GatewayMetrics:
@@ -146,16 +157,27 @@ class GatewayMetrics:
             "servegate_http_responses", "Responses sent by status code.", ["code"], registry=r
         )
         r.register(_PoolCollector(pools))
-        self._objective_children: dict[tuple[str, str], tuple[Counter, Histogram, Histogram]] = {}
+        self._objective_children: dict[tuple[str, str], ObjectiveSeries] = {}
+        self._response_children: dict[int, Counter] = {}
 
-    def objective(self, model: str, target: str) -> tuple[Counter, Histogram, Histogram]:
+    def response(self, status: int) -> Counter:
+        child = self._response_children.get(status)
+        if child is None:
+            child = self._response_children[status] = self.responses.labels(str(status))
+        return child
+
+    def objective(self, model: str, target: str) -> ObjectiveSeries:
+        """The label children of one (model, target) pair, created once."""
         key = (model, target)
         children = self._objective_children.get(key)
         if children is None:
-            children = (
-                self.requests.labels(model, target),
-                self.duration.labels(model, target),
-                self.ttft.labels(model, target),
+            children = ObjectiveSeries(
+                requests=self.requests.labels(model, target),
+                duration=self.duration.labels(model, target),
+                ttft=self.ttft.labels(model, target),
+                input_tokens=self.input_tokens.labels(model, target),
+                output_tokens=self.output_tokens.labels(model, target),
+                running=self.running.labels(model),
             )
             self._objective_children[key] = children
         return children
