@@ -142,11 +142,18 @@ class ServegateConfig(_Strict):
 Positions = dict[tuple[str | int, ...], str]
 
 
+def _mark(node: yaml.Node, source: str) -> str:
+    return f"{source}:{node.start_mark.line + 1}:{node.start_mark.column + 1}"
+
+
 def _positions(node: yaml.Node, source: str, path: tuple[str | int, ...] = ()) -> Positions:
-    out: Positions = {path: f"{source}:{node.start_mark.line + 1}:{node.start_mark.column + 1}"}
+    """Where each field is written; a mapping entry points at its key."""
+    out: Positions = {path: _mark(node, source)}
     if isinstance(node, yaml.MappingNode):
         for key, value in node.value:
-            out.update(_positions(value, source, (*path, str(key.value))))
+            child = (*path, str(key.value))
+            out.update(_positions(value, source, child))
+            out[child] = _mark(key, source)
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
             out.update(_positions(item, source, (*path, index)))

@@ -70,21 +70,21 @@ def test_cli_overrides_win_over_env_and_file() -> None:
     ("text", "expected"),
     [
         pytest.param(
-            "gateway:\n  prot: 1\n", ["gateway.prot (f.yaml:2:9)", "unknown field"], id="typo"
+            "gateway:\n  prot: 1\n", ["gateway.prot (f.yaml:2:3)", "unknown field"], id="typo"
         ),
         pytest.param(
             "gateway:\n  port: 70000\n",
-            ["gateway.port (f.yaml:2:9)", "less than or equal"],
+            ["gateway.port (f.yaml:2:3)", "less than or equal"],
             id="range",
         ),
         pytest.param(
             "pool:\n  endpoints:\n  - url: localhost:80\n",
-            ["pool.endpoints.0.url (f.yaml:3:10)", "http://host:port"],
+            ["pool.endpoints.0.url (f.yaml:3:5)", "http://host:port"],
             id="bad-url",
         ),
         pytest.param(
             "pool:\n  endpoints:\n  - url: http://a:1\n    role: middle\n",
-            ["pool.endpoints.0.role (f.yaml:4:11)", "prefill"],
+            ["pool.endpoints.0.role (f.yaml:4:5)", "prefill"],
             id="bad-role",
         ),
         pytest.param("- a\n- b\n", ["top level must be a mapping"], id="not-a-mapping"),
