@@ -3,17 +3,21 @@
     .venv/bin/python bench/bench_simulator_capacity.py [--streams 500] [--soak-s 60]
 
 Starts one `python -m servegate.simulator` child (real-time costs, speed 1), then
-keeps `--streams` streaming chat requests open at once from this process for a
-warm-up wave and a bounded soak. It reports, from inside the simulator (its
-`/admin/loop_lag`): the event-loop lag median / p99 / max during the soak and the
-simulator's RSS after start, after the warm-up and after the soak; and from the
-client: requests, tokens (SSE chunks) per second and the engine's running count.
+keeps `--streams` streaming chat requests open at once from this process (each
+client loops: a new request as soon as its previous one ends, output lengths vary
+so the streams do not finish together) for a warm-up and a bounded soak. It
+reports, from inside the simulator (`/admin/loop_lag`): the event-loop lag
+median / p99 / max during the soak and the simulator's RSS after start, after the
+warm-up and after the soak; from `/proc`: the simulator's CPU use during the
+soak; from the client: requests, tokens (SSE chunks) per second, TTFT.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import random
 import statistics
 import time
 from typing import Any
@@ -25,7 +29,9 @@ from servegate.testing.cluster import SimClusterProcess
 MIB = 1024 * 1024
 
 
-async def stream_once(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int) -> tuple[int, float]:
+async def stream_once(
+    session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int
+) -> tuple[int, float]:
     body = {
         "model": "sim-model",
         "messages": [{"role": "user", "content": prompt}],
@@ -53,9 +59,13 @@ async def worker(
     max_tokens: int,
     counts: dict[str, Any],
 ) -> None:
+    rng = random.Random(index)
     prompt = f"user {index} asks: please summarize the following document about the cache " * 8
+    await asyncio.sleep(rng.random())
     while time.monotonic() < deadline:
-        chunks, ttft = await stream_once(session, url, prompt, max_tokens)
+        chunks, ttft = await stream_once(
+            session, url, prompt, rng.randint(max_tokens // 4, max_tokens)
+        )
         counts["requests"] += 1
         counts["chunks"] += chunks
         counts["ttft"].append(ttft)
@@ -64,11 +74,14 @@ async def worker(
 async def wave(url: str, streams: int, seconds: float, max_tokens: int) -> dict[str, Any]:
     counts: dict[str, Any] = {"requests": 0, "chunks": 0, "ttft": []}
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=None)
+    ) as session:
         deadline = time.monotonic() + seconds
         peak_running = 0
         tasks = [
-            asyncio.create_task(worker(session, url, i, deadline, max_tokens, counts)) for i in range(streams)
+            asyncio.create_task(worker(session, url, i, deadline, max_tokens, counts))
+            for i in range(streams)
         ]
         started = time.monotonic()
         while not all(t.done() for t in tasks):
@@ -89,6 +102,12 @@ async def lag(url: str, reset: bool = False) -> dict[str, Any]:
             return data
 
 
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def main(args: argparse.Namespace) -> None:
     base = {
         "model": "sim-model",
@@ -104,19 +123,29 @@ async def main(args: argparse.Namespace) -> None:
         rss_start = (await lag(url, reset=True))["rss_bytes"]
         warm = await wave(url, args.streams, args.warmup_s, args.max_tokens)
         rss_warm = (await lag(url, reset=True))["rss_bytes"]
+        cpu_before = cpu_seconds(cluster[0].pid)
         soak = await wave(url, args.streams, args.soak_s, args.max_tokens)
+        cpu = (cpu_seconds(cluster[0].pid) - cpu_before) / soak["elapsed"]
         during = await lag(url)
         rss_end = during["rss_bytes"]
-    print(f"simulator capacity: {args.streams} concurrent streams, max_tokens {args.max_tokens}, speed 1")
-    print(f"  warm-up {args.warmup_s:.0f} s: {warm['requests']} requests, peak running {warm['peak_running']}")
+    print(
+        f"simulator capacity: {args.streams} concurrent streams, max_tokens {args.max_tokens}, speed 1"
+    )
+    print(
+        f"  warm-up {args.warmup_s:.0f} s: {warm['requests']} requests, peak running {warm['peak_running']}"
+    )
     print(
         f"  soak {soak['elapsed']:.0f} s: {soak['requests']} requests, {soak['chunks']} chunks "
         f"({soak['chunks'] / soak['elapsed']:.0f} tokens/s), peak running {soak['peak_running']}, "
         f"TTFT median {statistics.median(soak['ttft']) * 1000:.0f} ms"
     )
+    print(f"  simulator CPU during soak: {cpu * 100:.0f} % of one core")
     print(
         f"  event-loop lag during soak ({during['samples']} samples, 50 ms timer): "
-        f"median {during['median_ms']:.2f} ms, p99 {during['p99_ms']:.2f} ms, max {during['max_ms']:.2f} ms"
+        f"median {during['median_ms']:.2f} ms, p99 {during['p99_ms']:.2f} ms, "
+        f"max {during['max_ms']:.2f} ms (process CPU in that interval "
+        f"{during['max_lag_cpu_ms']:.1f} ms); {during['gc_collections']} GC runs, "
+        f"longest {during['gc_max_ms']:.1f} ms"
     )
     print(
         f"  simulator RSS: start {rss_start / MIB:.1f} MiB, after warm-up {rss_warm / MIB:.1f} MiB, "
@@ -125,7 +154,9 @@ async def main(args: argparse.Namespace) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--streams", type=int, default=500)
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--warmup-s", type=float, default=15.0)

@@ -275,3 +275,16 @@ async def test_metrics_page(sim: SimHandle, http: aiohttp.ClientSession) -> None
         text = await resp.text()
     assert 'vllm:generation_tokens_total{engine="0",model_name="tiny"} 2.0' in text
     assert "vllm:lora_requests_info{" in text
+
+
+async def test_admin_state_and_loop_lag(sim: SimHandle, http: aiohttp.ClientSession) -> None:
+    async with http.post(
+        sim.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}
+    ) as resp:
+        assert resp.status == 200
+    async with http.get(sim.url + "/admin/state") as resp:
+        state = await resp.json()
+    assert (state["running"], state["generation_tokens"], state["finished"]["length"]) == (0, 2, 1)
+    async with http.post(sim.url + "/admin/loop_lag") as resp:
+        lag = await resp.json()
+    assert lag["rss_bytes"] > 0 and "median_ms" in lag

@@ -74,7 +74,7 @@ def build_app(
 
 def build_metrics_app(state: SimState) -> web.Application:
     """The separate metrics listener of the Triton persona."""
-    app = web.Application()
+    app = web.Application(middlewares=[_fault_middleware])
     app[STATE] = state
     app.router.add_get(state.persona.metrics_path, metrics)
     return app

@@ -276,7 +276,7 @@ class Engine:
         if max_tokens is not None:
             if max_tokens < 1:
                 raise RequestError(
-                    "max_tokens must be at least 1, got {max_tokens}.", param="max_tokens"
+                    f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens"
                 )
             if n + max_tokens > limit:
                 raise RequestError(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -224,6 +225,7 @@ async def run_servers(configs: Sequence[SimConfig], stop: asyncio.Event | None =
                 f"(metrics {server.metrics_url}){extra}",
                 flush=True,
             )
+        gc.freeze()
         await stop.wait()
     finally:
         for server in reversed(servers):
