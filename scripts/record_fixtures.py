@@ -151,6 +151,24 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
         time.sleep(0.1)
 
 
+def held_page(server: VllmServer, bodies: dict[str, dict[str, Any]]) -> str:
+    """A /metrics page showing a1 and a2 running and a3 waiting for a LoRA slot."""
+    for _ in range(5):
+        with held(server, [bodies["a1"], bodies["a2"]]):
+            wait_until(lambda: signals(server.metrics_text())["running"] == 2, 30, "a1, a2")
+            with held(server, [bodies["a3"]]):
+                while True:
+                    page = server.metrics_text()
+                    state = signals(page)
+                    if (state["running"], state["waiting"]) == (2, 1):
+                        return page
+                    if state["running"] < 2:
+                        break
+                    time.sleep(0.05)
+        wait_until(lambda: signals(server.metrics_text())["running"] == 0, 30, "idle")
+    raise SystemExit("a1 and a2 finished before a3 was seen waiting, 5 times")
+
+
 def complete(server: VllmServer, text: str, model: str = "tiny", tokens: int = 1) -> None:
     server.post("/v1/completions", {"model": model, "prompt": text, "max_tokens": tokens})
 
@@ -174,6 +192,9 @@ def record(out: Path, workdir: Path) -> None:
         prompts[recorder.phase] = server.tokenize(text)
         complete(server, text, tokens=40)
         recorder.settle()
+        recorder.phase = "repeat-for-prefix-hits"
+        complete(server, text)
+        recorder.settle()
 
         recorder.phase = "lora-a1-prompt"
         text = prompt("fixture-lora", 70)
@@ -193,17 +214,11 @@ def record(out: Path, workdir: Path) -> None:
         complete(server, text)
         recorder.settle()
 
-        bodies = [
-            {"model": a, "prompt": f"hold {a}", "max_tokens": 1800, "ignore_eos": True}
+        bodies = {
+            a: {"model": a, "prompt": f"hold {a}", "max_tokens": 1800, "ignore_eos": True}
             for a in ("a1", "a2", "a3")
-        ]
-        with held(server, bodies):
-            wait_until(
-                lambda: signals(server.metrics_text())["waiting"] == 1,
-                30,
-                "a1, a2 running and a3 waiting",
-            )
-            loaded = server.metrics_text()
+        }
+        loaded = held_page(server, bodies)
         wait_until(lambda: signals(server.metrics_text())["running"] == 0, 30, "idle")
         recorder.settle()
         idle = server.metrics_text()

@@ -57,6 +57,8 @@ def subscribers(cluster: VllmCluster) -> Iterator[list[KvSubscriber]]:
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     subs = [KvSubscriber(server, context) for server in cluster]
     try:
+        for server, sub in zip(cluster, subs, strict=True):
+            join(server, sub)
         yield subs
     finally:
         for sub in subs:
@@ -64,6 +66,23 @@ def subscribers(cluster: VllmCluster) -> Iterator[list[KvSubscriber]]:
         context.term()
     for sub in subs:
         assert not sub.errors, sub.errors
+
+
+def join(server: VllmServer, sub: KvSubscriber, attempts: int = 20) -> None:
+    """Send fresh one-block prompts until the subscription delivers a message.
+
+    A ZeroMQ subscription takes a moment to reach the publisher; what is published
+    before that is dropped for this subscriber (the "slow joiner").
+    """
+    for attempt in range(attempts):
+        mark = sub.mark()
+        complete(server, prompt(f"join-{server.index}-{attempt}", 40))
+        try:
+            sub.wait(mark, lambda ev: len(ev) > 0, timeout_s=1.0)
+        except AssertionError:
+            continue
+        return
+    raise AssertionError(f"no KV events from {server.kv_connect} after {attempts} requests")
 
 
 def prompt(tag: str, words: int) -> str:

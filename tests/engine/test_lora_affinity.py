@@ -14,7 +14,8 @@ from "a slot is free" (0.8).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 from gateway_process import GatewayProcess, running_gateway
@@ -85,24 +86,53 @@ def _held(server: VllmServer, adapters: set[str]) -> None:
     )
 
 
+Routes = list[tuple[str, dict[str, object]]]
+
+
+def while_running(
+    server: VllmServer, adapters: list[str], check: Callable[[], Routes], attempts: int = 5
+) -> Routes:
+    """`check()` while long requests for `adapters` run on `server` (sent straight to it).
+
+    The requests last a few seconds; a check they did not outlast says nothing, so
+    it is run again with fresh requests.
+    """
+    for _ in range(attempts):
+        bodies = [long_completion(a, f"keep {a} busy") for a in adapters]
+        with inflight(server.url, bodies):
+            _held(server, set(adapters))
+            routes = check()
+            if routes and running_adapters(server) == set(adapters):
+                return routes
+        _held(server, set())
+    raise AssertionError(f"{adapters} stopped running on {server.url} before the check ended")
+
+
+def caught_up(gateway: GatewayProcess, model: str, server: VllmServer) -> bool:
+    """Whether the gateway's scores show `model` running on `server` (its scrape lags)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if totals(route(gateway, model)[1]).get(server.address) == 1.0:
+            return True
+    return False
+
+
 def test_adapter_requests_follow_the_replica_running_the_adapter(
     cluster: VllmCluster, lora_gateway: GatewayProcess
 ) -> None:
     if len(cluster) < 2:
         pytest.fail("LoRA-affinity routing needs at least 2 replicas")
     home = cluster[1]
-    with inflight(home.url, [long_completion("a1", "keep a1 busy")]):
-        _held(home, {"a1"})
+
+    def check() -> Routes:
+        if not caught_up(lora_gateway, "a1", home):
+            return []
+        return [route(lora_gateway, "a1") for _ in range(4)]
+
+    for address, scores in while_running(home, ["a1"], check):
         # 1.0 where a1 runs; 0.8 where a slot is free
-        wait_for(
-            lambda: route(lora_gateway, "a1")[0] == home.address,
-            timeout_s=5,
-            what="the gateway to see a1 running on server 1",
-        )
-        for _ in range(4):
-            address, scores = route(lora_gateway, "a1")
-            assert address == home.address, scores
-            assert totals(scores) == {s.address: 1.0 if s is home else 0.8 for s in cluster}
+        assert address == home.address, scores
+        assert totals(scores) == {s.address: 1.0 if s is home else 0.8 for s in cluster}
     _held(home, set())
 
 
@@ -113,21 +143,21 @@ def test_a_full_replica_sends_a_new_adapter_elsewhere(
         pytest.fail("LoRA-affinity routing needs at least 2 replicas")
     full = cluster[0]
     free = {s.address for s in cluster if s is not full}
-    bodies = [long_completion(a, f"fill slot {a}") for a in ("a1", "a2")]
-    with inflight(full.url, bodies):
-        _held(full, {"a1", "a2"})
-        wait_for(
-            lambda: route(lora_gateway, "a1")[0] == full.address,
-            timeout_s=5,
-            what="the gateway to see a1 and a2 running on server 0",
-        )
-        # a3: server 0 has both slots taken (0), the others a free slot (0.8)
-        for _ in range(4):
-            address, scores = route(lora_gateway, "a3")
-            assert address in free, scores
-            assert totals(scores) == {s.address: 0.0 if s is full else 0.8 for s in cluster}
-        # a2 still goes where it runs (1.0 against 0.8)
-        address, scores = route(lora_gateway, "a2")
-        assert address == full.address, scores
-        assert totals(scores) == {s.address: 1.0 if s is full else 0.8 for s in cluster}
+
+    def check() -> Routes:
+        if not caught_up(lora_gateway, "a1", full):
+            return []
+        return [route(lora_gateway, "a3") for _ in range(4)] + [route(lora_gateway, "a2")]
+
+    *to_free, (address, scores) = while_running(full, ["a1", "a2"], check)
+    # a3: server 0 has both slots taken (0); the others have a free slot (0.8), or a3
+    # running (1.0) once a scrape saw an earlier a3 request there
+    for a3_address, a3_scores in to_free:
+        assert a3_address in free, a3_scores
+        seen = totals(a3_scores)
+        assert seen.pop(full.address) == 0.0, a3_scores
+        assert set(seen.values()) <= {0.8, 1.0}, a3_scores
+    # a2 still goes where it runs (1.0 against 0.8)
+    assert address == full.address, scores
+    assert totals(scores)[full.address] == 1.0, scores
     _held(full, set())
