@@ -13,9 +13,17 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from servegate.pool.endpoint import Endpoint, Role
+from servegate.scheduling.flowcontrol.settings import FlowControlSettings
 
 ENV_PREFIX = "SERVEGATE_"
 
@@ -48,6 +56,39 @@ class GatewaySettings(_Strict):
     access_log: bool = True
     seed: int | None = None
     """Seeds the scheduler's tie-breaking; None = random."""
+    admin_keys: tuple[str, ...] = ()
+    """Bearer keys for /admin/*; empty = the admin routes answer 403 to everyone."""
+    max_header_bytes: int = Field(8190, ge=1024, le=1024 * 1024)
+    """Longest request header field (aiohttp `max_field_size`); longer → 400."""
+    max_line_bytes: int = Field(8190, ge=1024, le=1024 * 1024)
+    """Longest request line (aiohttp `max_line_size`); longer → 400."""
+    max_headers: int = Field(128, ge=8, le=4096)
+    """Most request header fields (aiohttp `max_headers`)."""
+    drain_timeout_s: float = Field(30.0, ge=0)
+    """On SIGTERM: stop accepting, then let in-flight requests finish for up to this long."""
+    probe_port: int | None = Field(None, ge=0, le=65535)
+    """Serve /health and /ready also on this port, from a thread of their own (None = off)."""
+
+
+class RetrySettings(_Strict):
+    budget_percent: float = Field(20.0, ge=0, le=100)
+    """Retries may add at most this share of the requests seen over the window."""
+    min_retries_per_s: float = Field(10.0, ge=0)
+    """Retries always allowed, however few requests came."""
+    window_s: PositiveFloat = 10.0
+    backoff_base_s: float = Field(0.01, ge=0)
+    backoff_max_s: float = Field(0.25, ge=0)
+
+
+class OutlierDetectionSettings(_Strict):
+    enabled: bool = True
+    consecutive_failures: int = Field(5, ge=1)
+    """Failed attempts in a row (connect, timeout, 5xx, cut stream) that eject an endpoint."""
+    base_ejection_time_s: PositiveFloat = 30.0
+    """First ejection's length; the n-th in a row lasts n times this."""
+    max_ejection_time_s: PositiveFloat = 300.0
+    max_ejection_percent: float = Field(50.0, ge=0, le=100)
+    """At most this share of serving endpoints ejected at once, and never all of them."""
 
 
 class HealthSettings(_Strict):
@@ -69,6 +110,9 @@ class EndpointConfig(_Strict):
     labels: dict[str, str] = Field(default_factory=dict)
     metrics_url: str | None = None
     kv_events: str | None = None
+    """Where the replica publishes KV events (`tcp://host:5557`, `ipc:///path`)."""
+    kv_events_replay: str | None = None
+    """Its replay ROUTER socket, for recovering batches lost to a sequence gap."""
 
     @field_validator("url")
     @classmethod
@@ -96,13 +140,53 @@ class EndpointConfig(_Strict):
             labels=dict(self.labels),
             metrics_url=self.metrics_url,
             kv_events=self.kv_events,
+            kv_events_replay=self.kv_events_replay,
             pool=pool,
         )
+
+
+class TokenizerSettings(_Strict):
+    """How the gateway turns a request into the token ids the engine will see (for
+    precise prefix routing): a HuggingFace folder (`hf`, with its chat template),
+    the engine's own `/tokenize` (`engine`, cached per body, `fallback` on failure),
+    the simulator's built-in tokenizer (`simulator`), or no ids (`chars`)."""
+
+    source: Literal["hf", "engine", "simulator", "chars"] = "chars"
+    path: str | None = None
+    """The HuggingFace tokenizer folder (tokenizer.json, tokenizer_config.json)."""
+    fallback: Literal["hf", "simulator", "chars"] = "chars"
+    """For `engine`: what to use when `/tokenize` fails or times out."""
+    cache_size: int = Field(8192, ge=0)
+    """For `engine`: request bodies whose token ids are remembered."""
+    timeout_s: PositiveFloat = 2.0
+    """For `engine`: the longest a `/tokenize` call may take."""
+
+    @model_validator(mode="after")
+    def _needs_path(self) -> TokenizerSettings:
+        if (self.source == "hf" or self.fallback == "hf") and not self.path:
+            raise ValueError("an `hf` tokenizer needs `path`: the folder with tokenizer.json")
+        return self
+
+
+class KVEventsPoolSettings(_Strict):
+    """Where replicas publish KV events when their endpoint entry does not say."""
+
+    port: int | None = Field(None, ge=1, le=65535)
+    """Subscribe to `tcp://<replica host>:<port>` for every replica."""
+    replay_port: int | None = Field(None, ge=1, le=65535)
+    """Ask `tcp://<replica host>:<replay_port>` to replay batches lost to a gap."""
+    topic_filter: str = ""
+    """ZMQ subscription prefix; "" receives every topic."""
+    bind: str | None = None
+    """Bind one SUB socket (`tcp://*:5557`) that every replica publishes to instead."""
+    replay_timeout_s: PositiveFloat = 2.0
 
 
 class ModelDeclaration(_Strict):
     id: str
     parent: str | None = None
+    tokenizer: TokenizerSettings | None = None
+    """Overrides the pool's `tokenizer` for this model (and its adapters)."""
 
 
 class PoolSettings(_Strict):
@@ -111,15 +195,23 @@ class PoolSettings(_Strict):
     models: tuple[ModelDeclaration, ...] = ()
     """Models (and LoRA adapters with their `parent`) known before any replica answers."""
     scrape_interval_s: float = Field(0.1, ge=0.05)
+    scrape_timeout_s: PositiveFloat | None = None
+    """None = max(1 s, 5 x the interval)."""
     metrics_staleness_s: PositiveFloat = 2.0
     health: HealthSettings = HealthSettings()
     engines: tuple[dict[str, Any], ...] = ()
     """User-defined engines, llm-d `engineConfigs` shape."""
+    tokenizer: TokenizerSettings | None = None
+    """Tokenisation for routing, for every model without its own; None = none."""
+    kv_events: KVEventsPoolSettings = KVEventsPoolSettings()
 
 
 class ServegateConfig(_Strict):
     gateway: GatewaySettings = GatewaySettings()
     pool: PoolSettings = PoolSettings()
+    flow_control: FlowControlSettings = FlowControlSettings()
+    retries: RetrySettings = RetrySettings()
+    outlier_detection: OutlierDetectionSettings = OutlierDetectionSettings()
     picker: dict[str, Any] | str | None = None
     """An EndpointPickerConfig document, inline or a path to one; None = the default profile."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"

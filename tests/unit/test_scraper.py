@@ -241,7 +241,7 @@ def test_settings_validation(kwargs: dict[str, float], message: str) -> None:
 @pytest.mark.parametrize(
     ("interval", "timeout", "effective"),
     [
-        pytest.param(0.1, None, 0.5, id="default-floor"),  # max(0.5, 5 x 0.1)
+        pytest.param(0.1, None, 1.0, id="default-floor"),  # max(1.0, 5 x 0.1)
         pytest.param(0.5, None, 2.5, id="five-intervals"),  # 5 x 0.5
         pytest.param(0.1, 0.2, 0.2, id="explicit"),
     ],

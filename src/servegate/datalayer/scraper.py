@@ -46,7 +46,8 @@ class ScrapeSettings:
     interval: float = 0.1
     """Seconds between scrape starts (at least 0.05)."""
     timeout: float | None = None
-    """Seconds one scrape may take; None = max(0.5, 5 x interval)."""
+    """Seconds one scrape may take; None = max(1.0, 5 x interval). Real vLLM on a busy CPU
+    answers /metrics in over 0.5 s while it streams, so a tighter default loses scrapes."""
     max_body_bytes: int = 16 * 1024 * 1024
     """A larger page is a failure (`too_large`)."""
 
@@ -62,7 +63,7 @@ class ScrapeSettings:
 
     @property
     def effective_timeout(self) -> float:
-        return self.timeout if self.timeout is not None else max(0.5, 5 * self.interval)
+        return self.timeout if self.timeout is not None else max(1.0, 5 * self.interval)
 
 
 @dataclass(slots=True)

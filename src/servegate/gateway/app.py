@@ -21,7 +21,15 @@ from aiohttp import web
 
 from servegate.config import ServegateConfig
 from servegate.datalayer import DataLayer, HealthSettings, ScrapeSettings
+from servegate.datalayer.outlier import OutlierDetector
 from servegate.engines.registry import EngineRegistry
+from servegate.gateway.admin import add_admin_routes
+from servegate.gateway.admission import (
+    QUEUE_DURATION_HEADER,
+    GatewayAdmission,
+    build_admission,
+    queue_ms,
+)
 from servegate.gateway.errors import (
     BadRequest,
     BodyTooLarge,
@@ -34,8 +42,11 @@ from servegate.gateway.errors import (
 )
 from servegate.gateway.logging import AccessLog, AccessRecord
 from servegate.gateway.metrics import GatewayMetrics
+from servegate.gateway.openapi import serve_openapi
 from servegate.gateway.parse import parse_request
+from servegate.gateway.probes import ProbeServer
 from servegate.gateway.proxy import Proxy, forward_headers
+from servegate.gateway.retry import RetryBudget
 from servegate.pool.pool import Pool
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
 from servegate.scheduling.framework import CycleState, NoCandidates
@@ -63,6 +74,9 @@ class Gateway:
     proxy: Proxy | None = None
     datalayer: DataLayer | None = None
     session: aiohttp.ClientSession | None = None
+    admission: GatewayAdmission | None = None
+    outlier: OutlierDetector | None = None
+    budget: RetryBudget | None = None
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
@@ -88,7 +102,18 @@ def build_gateway(
     )
     metrics = GatewayMetrics(lambda: (pool,))
     access = AccessLog(access_stream, enabled=config.gateway.access_log)  # type: ignore[arg-type]
+    admission = build_admission(
+        config.flow_control, pool, metrics.registry, picker_doc, scheduler.plugins
+    )
+    outlier = OutlierDetector(
+        pool,
+        config.outlier_detection,
+        on_eject=lambda state, _s: metrics.ejections.labels(state.address).inc(),
+    )
     return Gateway(
+        admission=admission,
+        outlier=outlier,
+        budget=RetryBudget(config.retries),
         config=config,
         pool=pool,
         scheduler=scheduler,
@@ -150,6 +175,7 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
     response: web.StreamResponse | None = None
     model_labels = ("unknown", "unknown")
     series = None
+    admitted = False
     try:
         _authorise(gw, request)
         body = await _read_body(gw, request)
@@ -160,6 +186,9 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         model_labels = (llm.model, llm.target_model)
         series = gw.metrics.objective(llm.model, llm.target_model)
         series.running.inc()
+        assert gw.admission is not None
+        queued_s = await gw.admission.admit(llm, len(body))
+        admitted = True
         now = time.monotonic()
         candidates = gw.pool.candidates(llm.base_model, now, llm.lora)
         if not candidates:
@@ -171,7 +200,7 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
             raise NoEndpoints(f"no endpoint fits the request for model `{llm.model}`") from exc
         gw.metrics.decision.observe(time.perf_counter() - t0)
         gw.scheduler.pre_request(llm, decision, now)
-        extra = {"X-Request-ID": rid}
+        extra = {"X-Request-ID": rid, QUEUE_DURATION_HEADER: queue_ms(queued_s)}
         if gw.config.gateway.debug_headers:
             result = decision.results.get(decision.profile)
             if result is not None:
@@ -203,6 +232,8 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         response = render(exc, {"X-Request-ID": rid})
         return response
     finally:
+        if admitted and gw.admission is not None:
+            gw.admission.completed()
         elapsed = time.monotonic() - started
         record.latency_ms = elapsed * 1000.0
         if response is None and record.status == 0:
@@ -300,17 +331,21 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
     gw = app[GATEWAY]
     settings = gw.config.gateway
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
-    session = aiohttp.ClientSession(
-        connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
-    )
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
     gw.session = session
-    gw.proxy = Proxy(session, settings, gw.pool, gw.metrics)
+    gw.proxy = Proxy(session, settings, gw.pool, gw.metrics, gw.outlier, gw.budget)
+    probes = None
+    if settings.probe_port is not None:
+        probes = ProbeServer(gw.pool, settings.host, settings.probe_port)
+        probes.start()
     pool_cfg = gw.config.pool
     gw.datalayer = DataLayer(
         gw.pool,
         session,
         gw.engines,
-        scrape=ScrapeSettings(interval=pool_cfg.scrape_interval_s),
+        scrape=ScrapeSettings(
+            interval=pool_cfg.scrape_interval_s, timeout=pool_cfg.scrape_timeout_s
+        ),
         health=HealthSettings(
             interval=pool_cfg.health.interval_s,
             timeout=pool_cfg.health.timeout_s,
@@ -327,8 +362,18 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        if probes is not None:
+            probes.stop()
         await gw.datalayer.stop()
         await session.close()
+
+
+async def _stop_queueing(app: web.Application) -> None:
+    admission = app[GATEWAY].admission
+    if admission is not None:
+        turned_away = admission.close()
+        if turned_away:
+            log.info("shutting down: turned away %d queued requests", turned_away)
 
 
 def create_app(gw: Gateway) -> web.Application:
@@ -343,5 +388,8 @@ def create_app(gw: Gateway) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", serve_openapi)
+    add_admin_routes(app, GATEWAY)
+    app.on_shutdown.append(_stop_queueing)
     app.cleanup_ctx.append(_components)
     return app
