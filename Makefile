@@ -31,7 +31,18 @@ format: install
 	$(VENV)/bin/ruff format src tests bench
 	$(VENV)/bin/ruff check --fix src tests bench
 
-test: install lint
+# tests/deploy runs a real Prometheus: Debian's package, installed when missing
+# (as root or in CI), else a loud failure that says how to install it.
+.PHONY: prometheus
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; \
+	  elif [ "$${CI:-}" = true ]; then SUDO=sudo; \
+	  else echo "error: tests/deploy needs Prometheus: sudo apt-get install prometheus" >&2; exit 1; fi; \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
+test: install lint prometheus
 	$(PY) -m pytest
 
 bench-scheduler: install
@@ -40,8 +51,9 @@ bench-scheduler: install
 bench-gateway: install
 	$(PY) bench/gateway_overhead.py
 
+# The standard routing comparison on a simulated cluster; refreshes docs/benchmarks.md (docs/bench.md).
 bench: install
-	$(VENV)/bin/servegate bench $(BENCH_ARGS)
+	$(PY) bench/standard_comparison.py --docs docs/benchmarks.md $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache src/*.egg-info

@@ -123,6 +123,7 @@ def _register_optional() -> None:
     """Subcommands owned by other packages, registered in one place."""
     from servegate.bench.cli import bench_command
     from servegate.demo import demo_command
+    from servegate.extproc.cli import extproc_command
     from servegate.simulator.cli import sim_command
 
     app.command("sim", help="Run simulated vLLM-compatible model servers.")(sim_command)
@@ -130,6 +131,9 @@ def _register_optional() -> None:
         bench_command
     )
     app.command("demo", help="Run the gateway on an embedded simulator cluster.")(demo_command)
+    app.command(
+        "extproc", help="Serve Envoy ext_proc as a Gateway API Inference Extension endpoint picker."
+    )(extproc_command)
 
 
 def main() -> None:

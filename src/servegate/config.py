@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from servegate.pool.discovery.settings import DiscoverySettings, StaticDiscoverySettings
 from servegate.pool.endpoint import Endpoint, Role
 from servegate.scheduling.flowcontrol.settings import FlowControlSettings
 
@@ -204,6 +205,22 @@ class PoolSettings(_Strict):
     tokenizer: TokenizerSettings | None = None
     """Tokenisation for routing, for every model without its own; None = none."""
     kv_events: KVEventsPoolSettings = KVEventsPoolSettings()
+    discovery: DiscoverySettings = StaticDiscoverySettings()
+    """`static`: `endpoints` only; `kubernetes`: also follow pods (see pool/discovery/settings.py)."""
+
+
+class ExtProcSettings(_Strict):
+    """`servegate extproc`: the Envoy ext_proc endpoint picker (Gateway API Inference Extension)."""
+
+    host: str = "0.0.0.0"
+    port: int = Field(9002, ge=0, le=65535)
+    """The `envoy.service.ext_proc.v3.ExternalProcessor` gRPC service."""
+    health_port: int = Field(9003, ge=0, le=65535)
+    """gRPC health: services `liveness`, `readiness` and the ExternalProcessor's name."""
+    metrics_port: int = Field(9090, ge=0, le=65535)
+    """Prometheus `/metrics` (plus `/health` and `/ready`) over HTTP."""
+    shutdown_grace_s: float = Field(30.0, ge=0)
+    """On SIGTERM: report NOT_SERVING, then let open streams finish for up to this long."""
 
 
 class ServegateConfig(_Strict):
@@ -212,6 +229,7 @@ class ServegateConfig(_Strict):
     flow_control: FlowControlSettings = FlowControlSettings()
     retries: RetrySettings = RetrySettings()
     outlier_detection: OutlierDetectionSettings = OutlierDetectionSettings()
+    extproc: ExtProcSettings = ExtProcSettings()
     picker: dict[str, Any] | str | None = None
     """An EndpointPickerConfig document, inline or a path to one; None = the default profile."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -153,6 +153,29 @@ async def test_ttft_and_itl_follow_the_scripted_delays(
     assert (result.output_tokens, result.prompt_tokens, result.cached_tokens) == (7, 10, 4)
 
 
+async def test_streams_read_to_their_end_reuse_one_connection(
+    aiohttp_server: ServerFactory,
+) -> None:
+    peers: list[object] = []
+
+    async def remember_peer(request: web.Request) -> web.StreamResponse:
+        assert request.transport is not None
+        peers.append(request.transport.get_extra_info("peername"))
+        response = await stream_without_usage(request)
+        await asyncio.sleep(0.05)  # the stream's end comes a moment after [DONE]
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", remember_peer)
+    server = await aiohttp_server(app)
+    async with aiohttp.ClientSession() as client:
+        for _ in range(3):
+            result = await send(client, f"http://127.0.0.1:{server.port}", stream=True)
+            assert result.ok
+    # one keep-alive connection for all three: nothing was left unread after [DONE]
+    assert len(peers) == 3 and len(set(peers)) == 1
+
+
 async def test_output_tokens_fall_back_to_chunk_count(
     session: aiohttp.ClientSession, base_url: str
 ) -> None:

@@ -13,6 +13,7 @@ from servegate.bench.report import (
     SUMMARY_COLUMNS,
     markdown_table,
     rich_progress,
+    time_axis_scale,
     verdict,
     verdicts,
     write_report,
@@ -215,3 +216,18 @@ def test_report_mentions_failed_engine_reads(tmp_path: Path) -> None:
     failing = summary("a", engine_scrapes_failed=3)
     write_report(tmp_path, [], [failing], {})
     assert "3 engine /metrics reads failed" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("fastest", "slowest", "scale"),
+    [
+        pytest.param(10.0, 150.0, "linear", id="15x-spread"),
+        pytest.param(10.0, 200.0, "linear", id="20x-spread-is-the-limit"),
+        pytest.param(10.0, 800.0, "log", id="80x-spread"),
+        pytest.param(0.0, 800.0, "linear", id="zero-has-no-log"),
+    ],
+)
+def test_time_axis_turns_logarithmic_for_a_wide_spread(
+    fastest: float, slowest: float, scale: str
+) -> None:
+    assert time_axis_scale(fastest, slowest) == scale

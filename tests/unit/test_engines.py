@@ -1,8 +1,16 @@
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from servegate.datalayer.metrics_parser import MetricsParser
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from servegate.datalayer.metrics_parser import (
+    LORA_MAX,
+    LORA_RUNNING,
+    LORA_WAITING,
+    MetricsParser,
+)
 from servegate.engines import (
     SIGNALS,
     Aggregation,
@@ -17,6 +25,9 @@ from servegate.engines import (
 )
 from servegate.engines.registry import parse_selector
 from servegate.pool.endpoint import ENGINE_LABEL, Endpoint
+
+REAL_VLLM_PAGE = Path(__file__).resolve().parent.parent / "fixtures" / "real" / "vllm_metrics.txt"
+"""`/metrics` of a real vLLM 0.32 server (scripts/record_fixtures.py)."""
 
 
 @pytest.mark.parametrize(
@@ -369,3 +380,31 @@ def test_add_custom_and_registry_from_specs() -> None:
     assert registry.get("extra") is spec
     endpoint = Endpoint("h:8000", "http://h:8000")
     assert spec.health_url(endpoint) == "http://h:8081/ready"
+
+
+def real_vllm_labels() -> dict[str, set[str]]:
+    """Sample name → label keys seen on the recorded real vLLM page."""
+    out: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(REAL_VLLM_PAGE.read_text()):
+        for sample in family.samples:
+            out.setdefault(sample.name, set()).update(sample.labels)
+    return out
+
+
+@pytest.mark.parametrize("signal", SIGNALS)
+def test_vllm_spec_reads_what_real_vllm_publishes(signal: str) -> None:
+    """Each source's first name (and label) is on a real vLLM 0.32 page; the older
+    spellings kept as alternatives are not (they serve older servers)."""
+    published = real_vllm_labels()
+    sources = builtin_engines()["vllm"].signal(signal)
+    assert sources
+    for source in sources:
+        assert source.name in published
+        assert {key for key, _ in source.labels} <= published[source.name]
+        if source.label is not None:
+            assert source.label in published[source.name]
+        assert not set(source.alternatives) & set(published)
+
+
+def test_real_vllm_lora_series_carry_the_labels_the_parser_reads() -> None:
+    assert real_vllm_labels()["vllm:lora_requests_info"] == {LORA_MAX, LORA_RUNNING, LORA_WAITING}

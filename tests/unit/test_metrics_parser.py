@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -13,6 +14,9 @@ from servegate.engines import SIGNALS, Aggregation, EngineSpec, MetricSpec, buil
 from servegate.pool.endpoint import EndpointMetrics, LoraInfo
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "metrics"
+REAL = Path(__file__).resolve().parent.parent / "fixtures" / "real"
+REAL_PAGES = {"held": "vllm_metrics.txt", "idle": "vllm_metrics_idle.txt"}
+"""Pages recorded from real vLLM 0.32 (scripts/record_fixtures.py); signals in vllm_metrics.json."""
 ENGINES = builtin_engines()
 PAGES = {
     "vllm": "vllm",
@@ -556,3 +560,77 @@ def test_metric_like_text_never_raises(parts: list[str]) -> None:
         assert math.isfinite(metrics.waiting)
         assert math.isfinite(metrics.kv_usage)
         assert metrics.block_size is None or metrics.block_size >= 1
+
+
+# -- real vLLM 0.32 pages (tests/fixtures/real/) -----------------------------------
+
+
+def recorded_signals(page: str) -> dict[str, object]:
+    """vllm_metrics.json: the page's signals as the recorder read them with prometheus_client."""
+    doc = dict(json.loads((REAL / "vllm_metrics.json").read_text())[page])
+    lora = doc["lora"]
+    if lora is not None:
+        doc["lora"] = LoraInfo(
+            lora["max_lora"], frozenset(lora["running"]), frozenset(lora["waiting"])
+        )
+    return doc
+
+
+@pytest.mark.parametrize("page", REAL_PAGES.values(), ids=list(REAL_PAGES))
+def test_real_vllm_page_gives_the_recorded_signals(page: str) -> None:
+    result = MetricsParser(ENGINES["vllm"]).parse((REAL / page).read_text(), now=42.0)
+    assert as_dict(result.metrics) == recorded_signals(page)
+    assert (result.missing, result.malformed) == ((), 0)
+
+
+@pytest.mark.parametrize("page", REAL_PAGES.values(), ids=list(REAL_PAGES))
+def test_real_vllm_page_equals_prometheus_client(page: str) -> None:
+    text = (REAL / page).read_text()
+    parser = MetricsParser(ENGINES["vllm"])
+    found, malformed = parser.scan(text)
+    assert malformed == 0
+    assert found == reference_series(text, parser.families)
+    expected = reference_metrics(ENGINES["vllm"], text)
+    for signal in ("block_size", "num_blocks"):
+        value = expected[signal]
+        expected[signal] = int(value) if isinstance(value, float) else None
+    assert as_dict(parser.parse(text, now=1.0).metrics) == expected
+
+
+@pytest.mark.parametrize(
+    ("page", "expected"),
+    [
+        pytest.param(
+            "vllm_metrics.txt",
+            EndpointMetrics(
+                waiting=1.0,
+                running=2.0,
+                # vLLM: 1 - free / usable = 1 - 77 / (128 - 1 null block): 50 blocks held
+                kv_usage=1 - 77 / 127,
+                block_size=32,
+                num_blocks=128,
+                # the latest series by value; both labels list every adapter in flight
+                lora=LoraInfo(2, frozenset({"a1", "a2"}), frozenset({"a1", "a2"})),
+                prefix_cache_queries=5826.0,
+                prefix_cache_hits=96.0,  # 3 blocks of a repeated 108-token prompt
+                scraped_at=42.0,
+            ),
+            id="held-a1-a2-running-a3-waiting",
+        ),
+        pytest.param(
+            "vllm_metrics_idle.txt",
+            EndpointMetrics(
+                block_size=32,
+                num_blocks=128,
+                # five series; the one with the largest timestamp has empty labels
+                lora=LoraInfo(2),
+                prefix_cache_queries=5832.0,
+                prefix_cache_hits=96.0,
+                scraped_at=42.0,
+            ),
+            id="idle",
+        ),
+    ],
+)
+def test_real_vllm_page_values(page: str, expected: EndpointMetrics) -> None:
+    assert parse("vllm", (REAL / page).read_text()) == expected

@@ -56,6 +56,8 @@ def test_default_picker_config() -> None:
         "default": (
             [],
             [
+                ("precise-prefix-cache-scorer", 1.0),
+                ("prefix-cache-scorer", 3.0),
                 ("queue-scorer", 2.0),
                 ("kv-cache-utilization-scorer", 2.0),
                 ("active-request-scorer", 2.0),
@@ -174,8 +176,8 @@ def test_mapping_input_and_custom_registry() -> None:
 def test_parse_gives_the_typed_document() -> None:
     config = parse_picker_config(DEFAULT_PICKER_CONFIG)
     assert config.api_version == "llm-d.ai/v1alpha1"
-    assert config.plugins[0].type == "queue-scorer"
-    assert config.scheduling_profiles[0].plugins[0].weight == 2
+    assert config.plugins[0].type == "precise-prefix-cache-scorer"
+    assert config.scheduling_profiles[0].plugins[2].weight == 2
 
 
 PROFILE = """schedulingProfiles:
@@ -204,8 +206,8 @@ ERRORS = [
     ),
     pytest.param(HEAD + "plugin: []\n", ["plugin: unknown field"], id="unknown-top-level"),
     pytest.param(
-        HEAD + "saturationDetector: {queueDepthThreshold: 5}\n",
-        ["saturationDetector: this EndpointPickerConfig section is not supported"],
+        HEAD + "data: {}\n",
+        ["data: this EndpointPickerConfig section is not supported"],
         id="unsupported-section",
     ),
     pytest.param(
@@ -224,8 +226,8 @@ ERRORS = [
         id="unknown-type",
     ),
     pytest.param(
-        HEAD + "plugins:\n- type: precise-prefix-cache-scorer\n",
-        ["'precise-prefix-cache-scorer' is a known llm-d plugin that servegate does not implement"],
+        HEAD + "plugins:\n- type: latency-scorer\n",
+        ["'latency-scorer' is a known llm-d plugin that servegate does not implement"],
         id="known-unimplemented-prefix",
     ),
     pytest.param(
@@ -234,8 +236,8 @@ ERRORS = [
         id="prefix-block-size",
     ),
     pytest.param(
-        HEAD + "plugins:\n- {type: session-affinity-scorer, name: sa}\n",
-        ["plugins[0] 'sa' (type 'session-affinity-scorer')", "does not implement yet"],
+        HEAD + "plugins:\n- {type: context-length-aware, name: cla}\n",
+        ["plugins[0] 'cla' (type 'context-length-aware')", "does not implement yet"],
         id="known-unimplemented-session",
     ),
     pytest.param(

@@ -9,8 +9,14 @@ from typing import Any
 import pytest
 
 from servegate.pool.endpoint import EndpointState
+from servegate.pool.pool import Pool
 from servegate.scheduling.framework import CycleState
-from servegate.scheduling.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
+from servegate.scheduling.pickers import (
+    MaxScorePicker,
+    RandomPicker,
+    RoundRobinPicker,
+    WeightedRandomPicker,
+)
 from servegate.scheduling.registry import PluginContext, PluginParameterError
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.testing.endpoints import addresses, endpoint_state
@@ -144,7 +150,9 @@ def test_weighted_random_picker_with_all_zero_scores_is_uniform_permutation() ->
         pytest.param({"topK": 3}, "unknown parameter 'topK'", id="unknown"),
     ],
 )
-@pytest.mark.parametrize("cls", [MaxScorePicker, RandomPicker, WeightedRandomPicker])
+@pytest.mark.parametrize(
+    "cls", [MaxScorePicker, RandomPicker, WeightedRandomPicker, RoundRobinPicker]
+)
 def test_picker_parameter_errors(
     cls: type[MaxScorePicker], parameters: dict[str, Any], fragment: str
 ) -> None:
@@ -158,3 +166,34 @@ def test_picker_parameters_decode() -> None:
     picker = MaxScorePicker.from_config("p", {"maxNumOfEndpoints": 2}, PluginContext())
     assert (picker.name, picker.max_num_of_endpoints) == ("p", 2)
     assert MaxScorePicker.from_config("q", {}, PluginContext()).max_num_of_endpoints is None
+
+
+@pytest.mark.parametrize(
+    ("last_picked", "expected"),
+    [
+        pytest.param([0.0, 0.0, 0.0], [0, 1, 2], id="never-picked-by-address"),
+        pytest.param([3.0, 1.0, 2.0], [1, 2, 0], id="oldest-first"),
+        pytest.param([5.0, 0.0, 5.0], [1, 0, 2], id="new-endpoint-first-then-ties-by-address"),
+    ],
+)
+def test_round_robin_picker_orders_least_recently_picked_first(
+    last_picked: list[float], expected: list[int]
+) -> None:
+    eps = pool(len(last_picked))
+    for state, at in zip(eps, last_picked, strict=True):
+        state.last_picked_at = at
+    ranked = RoundRobinPicker().pick(cycle(0), REQUEST, eps, [1.0, 0.0, 0.5])
+    assert positions(ranked, eps) == expected
+
+
+def test_round_robin_picker_rotates_through_the_pool_it_dispatches_to() -> None:
+    pool_ = Pool()
+    eps = [pool_.add(s.endpoint) for s in pool(3)]
+    picker = RoundRobinPicker(max_num_of_endpoints=1)
+    chosen = []
+    for step in range(7):
+        (target,) = picker.pick(cycle(step), REQUEST, eps, [0.0, 1.0, 0.0])
+        pool_.acquire(target, tokens=1, now=10.0 + step)
+        chosen.append(eps.index(target))
+    # 7 picks over 3 endpoints: 0, 1, 2, then the same cycle again; scores never matter.
+    assert chosen == [0, 1, 2, 0, 1, 2, 0]

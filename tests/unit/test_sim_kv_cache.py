@@ -109,11 +109,37 @@ def test_hit_on_free_block_takes_it_out_of_the_queue() -> None:
     kv = KVCache(num_blocks=5, block_size=BS)
     a = run_seq(kv, tokens(9))
     kv.free(a)
-    assert kv.free_queue() == [4, 3, 2, 1]
-    b = run_seq(kv, tokens(9))  # hits blocks 1 and 2, needs one new block
-    assert b.block_ids == [1, 2, 4]
-    assert [kv.block(i).ref_cnt for i in (1, 2, 4)] == [1, 1, 1]
-    assert kv.free_queue() == [3]
+    # partial block 3 (no hash) to the head, cached 2 then 1 to the tail
+    assert kv.free_queue() == [3, 4, 2, 1]
+    b = run_seq(kv, tokens(9))  # hits blocks 1 and 2, needs one new block: the head, 3
+    assert b.block_ids == [1, 2, 3]
+    assert [kv.block(i).ref_cnt for i in (1, 2, 3)] == [1, 1, 1]
+    assert kv.free_queue() == [4]
+
+
+@pytest.mark.parametrize(
+    ("caching", "queue"),
+    [
+        # a's cached 2, 1 to the tail, its partial 3 to the head; then b's partial 6 to
+        # the head and its cached 5, 4 to the tail
+        pytest.param(True, [6, 3, 7, 2, 1, 5, 4], id="uncached-reused-before-any-eviction"),
+        # nothing is cached: each sequence's blocks go to the head, last block first
+        pytest.param(False, [6, 5, 4, 3, 2, 1, 7], id="no-prefix-caching-lifo"),
+    ],
+)
+def test_uncached_blocks_go_to_the_head_of_the_free_queue(caching: bool, queue: list[int]) -> None:
+    """vLLM's `free_blocks`: blocks without a hash are reused first (LIFO), cached ones last."""
+    kv = KVCache(num_blocks=8, block_size=BS, enable_prefix_caching=caching)
+    a = run_seq(kv, tokens(9))  # blocks 1, 2 full, 3 partial
+    b = run_seq(kv, tokens(9, start=500))  # blocks 4, 5 full, 6 partial
+    kv.free(a)
+    kv.free(b)
+    assert kv.free_queue() == queue
+    kv.drain_events()
+    c = SeqBlocks()
+    assert kv.allocate(c, 0, 3 * BS)  # 3 blocks from the head: no cached block evicted
+    assert c.block_ids == queue[:3]
+    assert not [e for e in kv.drain_events() if isinstance(e, BlockRemoved)]
 
 
 def test_shared_blocks_are_reference_counted() -> None:

@@ -15,6 +15,7 @@ A failure never raises: it becomes a result with `error_kind` set to the HTTP st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from servegate.bench.workloads import BenchRequest
 
 SERVED_BY_HEADER = "x-gateway-destination-endpoint"
 ERROR_SNIPPET_CHARS = 200
+DRAIN_TIMEOUT_S = 1.0
 JSON_HEADERS = {"content-type": "application/json"}
 
 
@@ -98,6 +100,18 @@ class _StreamError(Exception):
     pass
 
 
+async def _drain(response: aiohttp.ClientResponse) -> None:
+    """Read what follows `[DONE]` (the stream's end) so the connection can be reused.
+
+    Leaving a response unread makes aiohttp close the connection, and every next
+    request would then pay a new TCP connection. A server that keeps the stream
+    open after `[DONE]` gets its connection closed after `DRAIN_TIMEOUT_S`.
+    """
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(DRAIN_TIMEOUT_S):
+            await response.content.read()
+
+
 async def _read_stream(
     response: aiohttp.ClientResponse, started: float, usage: _Usage
 ) -> tuple[float | None, list[float], int]:
@@ -111,6 +125,7 @@ async def _read_stream(
             continue
         payload = line[5:].strip()
         if payload == b"[DONE]":
+            await _drain(response)
             break
         now = time.perf_counter()
         try:

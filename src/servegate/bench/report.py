@@ -2,8 +2,9 @@
 
 `write_report(out_dir, ...)` writes `report.md` (tables, verdicts, plots, command),
 `summary.json`, `summary.csv`, `requests.csv` (one row per request) and PNG plots:
-`ttft_cdf.png` (TTFT, or end-to-end latency when not streaming, per target) and, for
-sweeps over more than one load point, `sweep.png` (latency and throughput versus load).
+`ttft_cdf.png` (TTFT, or end-to-end latency when not streaming, per target; a log time
+axis when the tail is over 20 times the fastest) and, for sweeps over more than one
+load point, `sweep.png` (latency and throughput versus load).
 Plots use matplotlib's object API with the Agg canvas: no pyplot global state, no
 display needed.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -204,8 +206,19 @@ def _latencies_for_cdf(run: TargetRun) -> tuple[list[float], str]:
     return [r.e2e_s for r in run.results if r.ok], "end-to-end latency"
 
 
+LOG_SCALE_SPREAD = 20.0
+"""A CDF whose slowest value is this many times its fastest gets a log time axis, so
+the body of the distribution is not squeezed into a corner by its tail."""
+
+
+def time_axis_scale(fastest: float, slowest: float) -> str:
+    """`log` when the slowest value is over `LOG_SCALE_SPREAD` times the fastest."""
+    return "log" if fastest > 0 and slowest > LOG_SCALE_SPREAD * fastest else "linear"
+
+
 def plot_ttft_cdf(path: Path, runs: Sequence[TargetRun]) -> None:
     from matplotlib.figure import Figure
+    from matplotlib.ticker import ScalarFormatter
 
     loads: dict[str, list[TargetRun]] = {}
     for run in runs:
@@ -217,6 +230,7 @@ def plot_ttft_cdf(path: Path, runs: Sequence[TargetRun]) -> None:
     for index, (load, group) in enumerate(loads.items()):
         ax = axes[index // columns][index % columns]
         what = "TTFT"
+        low, high = math.inf, 0.0
         for run in group:
             values, what = _latencies_for_cdf(run)
             if not values:
@@ -224,6 +238,10 @@ def plot_ttft_cdf(path: Path, runs: Sequence[TargetRun]) -> None:
             ordered = sorted(v * 1000 for v in values)
             fractions = [(i + 1) / len(ordered) for i in range(len(ordered))]
             ax.step(ordered, fractions, where="post", label=run.target.name)
+            low, high = min(low, ordered[0]), max(high, ordered[-1])
+        if time_axis_scale(low, high) == "log":
+            ax.set_xscale("log")
+            ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.set_title(f"{what} CDF, {load}")
         ax.set_xlabel(f"{what} (ms)")
         ax.set_ylabel("fraction of requests")

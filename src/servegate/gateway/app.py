@@ -30,6 +30,7 @@ from servegate.gateway.admission import (
     build_admission,
     queue_ms,
 )
+from servegate.gateway.cache_routing import CacheRouting, build_cache_routing
 from servegate.gateway.errors import (
     BadRequest,
     BodyTooLarge,
@@ -47,6 +48,7 @@ from servegate.gateway.parse import parse_request
 from servegate.gateway.probes import ProbeServer
 from servegate.gateway.proxy import Proxy, forward_headers
 from servegate.gateway.retry import RetryBudget
+from servegate.pool.discovery import start_discovery
 from servegate.pool.pool import Pool
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
 from servegate.scheduling.framework import CycleState, NoCandidates
@@ -77,6 +79,8 @@ class Gateway:
     admission: GatewayAdmission | None = None
     outlier: OutlierDetector | None = None
     budget: RetryBudget | None = None
+    probes: ProbeServer | None = None
+    cache_routing: CacheRouting = field(default_factory=CacheRouting)
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
@@ -121,6 +125,7 @@ def build_gateway(
         access_log=access,
         engines=engines,
         rng=random.Random(config.gateway.seed),
+        cache_routing=build_cache_routing(config, pool, scheduler, metrics.registry),
     )
 
 
@@ -193,6 +198,7 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         candidates = gw.pool.candidates(llm.base_model, now, llm.lora)
         if not candidates:
             raise NoEndpoints(f"no ready endpoint serves model `{llm.model}`")
+        await gw.cache_routing.prepare(llm, candidates)
         t0 = time.perf_counter()
         try:
             decision = gw.scheduler.schedule(llm, candidates, CycleState(now=now, rng=gw.rng))
@@ -201,6 +207,7 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         gw.metrics.decision.observe(time.perf_counter() - t0)
         gw.scheduler.pre_request(llm, decision, now)
         extra = {"X-Request-ID": rid, QUEUE_DURATION_HEADER: queue_ms(queued_s)}
+        gw.cache_routing.headers(llm, decision, extra)
         if gw.config.gateway.debug_headers:
             result = decision.results.get(decision.profile)
             if result is not None:
@@ -327,19 +334,10 @@ async def error_middleware(
 # -- lifecycle ----------------------------------------------------------------------
 
 
-async def _components(app: web.Application) -> AsyncIterator[None]:
-    gw = app[GATEWAY]
-    settings = gw.config.gateway
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
-    session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-    gw.session = session
-    gw.proxy = Proxy(session, settings, gw.pool, gw.metrics, gw.outlier, gw.budget)
-    probes = None
-    if settings.probe_port is not None:
-        probes = ProbeServer(gw.pool, settings.host, settings.probe_port)
-        probes.start()
+def build_datalayer(gw: Gateway, session: aiohttp.ClientSession) -> DataLayer:
+    """The scrapers and health checkers for `gw.pool`; shared by the HTTP and ext_proc modes."""
     pool_cfg = gw.config.pool
-    gw.datalayer = DataLayer(
+    return DataLayer(
         gw.pool,
         session,
         gw.engines,
@@ -354,7 +352,28 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             models_every=pool_cfg.health.models_refresh_every,
         ),
     )
+
+
+async def _components(app: web.Application) -> AsyncIterator[None]:
+    gw = app[GATEWAY]
+    settings = gw.config.gateway
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    gw.session = session
+    gw.proxy = Proxy(session, settings, gw.pool, gw.metrics, gw.outlier, gw.budget)
+    probes = None
+    if settings.probe_port is not None:
+        probes = gw.probes = ProbeServer(gw.pool, settings.host, settings.probe_port)
+        probes.start()
+    # Scrapes and health probes get their own connection pool: aiohttp reuses idle
+    # connections first-in first-out, so probes cycling through the request path's pool
+    # would keep every idle connection alive forever, and a saturated request pool
+    # must not delay a probe.
+    control = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    gw.datalayer = build_datalayer(gw, control)
     await gw.datalayer.start()
+    await gw.cache_routing.start(session)
+    discovery = await start_discovery(gw.config.pool.discovery, gw.pool)
     log.info(
         "gateway started",
         extra={"fields": {"endpoints": [s.address for s in gw.pool]}},
@@ -362,9 +381,13 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        if discovery is not None:
+            await discovery.stop()
         if probes is not None:
             probes.stop()
+        await gw.cache_routing.stop()
         await gw.datalayer.stop()
+        await control.close()
         await session.close()
 
 

@@ -39,6 +39,8 @@ class GatewayError(Exception):
         self.message = message
         if param is not None:
             self.param = param
+        self.extra_headers: Mapping[str, str] = {}
+        """Headers this one response adds (e.g. `x-llm-d-flow-queue-duration-ms`)."""
 
     @property
     def headers(self) -> Mapping[str, str]:
@@ -129,6 +131,7 @@ def error_body(message: str, type_: str, code: str | int | None, param: str | No
 
 def render(exc: GatewayError, extra_headers: Mapping[str, str] | None = None) -> web.Response:
     headers = dict(exc.headers)
+    headers.update(exc.extra_headers)
     if extra_headers:
         headers.update(extra_headers)
     return web.Response(

@@ -6,6 +6,7 @@ the hot path); pool gauges are computed only when /metrics is scraped.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -54,6 +55,11 @@ class _PoolCollector(Collector):
             "Engine queue size per endpoint.",
             labels=["name", "model_server_pod"],
         )
+        ejected = GaugeMetricFamily(
+            "servegate_endpoint_ejected",
+            "1 while passive health keeps the endpoint out of rotation.",
+            labels=["name", "endpoint"],
+        )
         in_flight = GaugeMetricFamily(
             "servegate_endpoint_in_flight_requests",
             "Requests the gateway has in flight per endpoint.",
@@ -64,6 +70,7 @@ class _PoolCollector(Collector):
             "Times the scheduler picked each endpoint as the target.",
             labels=["name", "endpoint"],
         )
+        now = time.monotonic()
         for pool in self._pools():
             states = list(pool)
             ready.add_metric([pool.name], pool.ready_count())
@@ -73,8 +80,9 @@ class _PoolCollector(Collector):
             for s in states:
                 per_pod.add_metric([pool.name, s.address], s.metrics.waiting)
                 in_flight.add_metric([pool.name, s.address], s.in_flight_requests)
+                ejected.add_metric([pool.name, s.address], 1 if s.ejected_until > now else 0)
                 picks.add_metric([pool.name, s.address], s.picks)
-        yield from (ready, kv, queue, per_pod, in_flight, picks)
+        yield from (ready, kv, queue, per_pod, ejected, in_flight, picks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +159,12 @@ class GatewayMetrics:
             "servegate_upstream_errors",
             "Upstream failures by kind (connect, timeout, status code, midstream).",
             ["endpoint", "kind"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "servegate_endpoint_ejections",
+            "Times passive health (outlier detection) ejected each endpoint.",
+            ["endpoint"],
             registry=r,
         )
         self.responses = Counter(

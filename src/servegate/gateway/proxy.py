@@ -1,8 +1,12 @@
 """Forwarding: send the original bytes to the chosen endpoint, relay the answer as it comes.
 
-Retries happen only before the first byte reaches the client: a connect error or
-a 502/503 from one endpoint moves the request to the next fallback. Once a
-stream has started, a failure ends it with an OpenAI-style error event.
+Retries happen only before the first byte reaches the client: a connect error, no
+response headers within `first_byte_timeout_s`, or a 502/503 from one endpoint
+moves the request to the next fallback, after a
+jittered backoff and only while the retry budget lasts (`retry.py`). Once a
+stream has started, a failure ends it with an OpenAI-style error event and is
+counted (`servegate_upstream_errors{kind="midstream"}`). Every attempt's result
+feeds passive health (`datalayer/outlier.py`).
 Foreign exceptions are translated to `errors.py` types here and nowhere else.
 """
 
@@ -20,6 +24,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from servegate.config import GatewaySettings
+from servegate.datalayer.outlier import OutlierDetector
 from servegate.gateway.errors import (
     GatewayError,
     UpstreamFailed,
@@ -28,6 +33,7 @@ from servegate.gateway.errors import (
 )
 from servegate.gateway.logging import AccessRecord
 from servegate.gateway.metrics import GatewayMetrics
+from servegate.gateway.retry import RetryBudget
 from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
 
@@ -128,11 +134,15 @@ class Proxy:
         settings: GatewaySettings,
         pool: Pool,
         metrics: GatewayMetrics,
+        outlier: OutlierDetector | None = None,
+        budget: RetryBudget | None = None,
     ) -> None:
         self._session = session
         self._settings = settings
         self._pool = pool
         self._metrics = metrics
+        self.outlier = outlier
+        self.budget = budget
         self._timeout = aiohttp.ClientTimeout(
             total=settings.total_timeout_s, sock_connect=settings.connect_timeout_s
         )
@@ -147,11 +157,28 @@ class Proxy:
                     url, data=body, headers=headers, timeout=self._timeout
                 )
         except TimeoutError as exc:
-            self._metrics.upstream_errors.labels(state.address, "timeout").inc()
+            self._failed(state, "timeout")
             raise UpstreamTimeout(f"endpoint {state.address} did not answer in time") from exc
         except (aiohttp.ClientError, OSError) as exc:
-            self._metrics.upstream_errors.labels(state.address, "connect").inc()
+            self._failed(state, "connect")
             raise UpstreamFailed(f"endpoint {state.address} failed: {exc!r}") from exc
+
+    def _failed(self, state: EndpointState, kind: str) -> None:
+        self._metrics.upstream_errors.labels(state.address, kind).inc()
+        if self.outlier is not None:
+            self.outlier.failure(state, kind)
+
+    async def _may_retry(self, retry: int) -> bool:
+        budget = self.budget
+        if budget is None:
+            return True
+        if not budget.try_retry():
+            self._metrics.retries.labels("budget_exhausted").inc()
+            return False
+        delay = budget.backoff(retry)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return True
 
     async def forward(
         self,
@@ -167,7 +194,11 @@ class Proxy:
     ) -> web.StreamResponse:
         last_error: GatewayError = UpstreamFailed("no endpoint could be tried")
         attempts = targets[: self._settings.max_retries + 1]
+        if self.budget is not None:
+            self.budget.request()
         for attempt, state in enumerate(attempts):
+            if attempt and not await self._may_retry(attempt):
+                break
             is_last = attempt == len(attempts) - 1
             record.retries = attempt
             record.endpoint = state.address
@@ -175,19 +206,19 @@ class Proxy:
             try:
                 try:
                     upstream = await self._open(state, path, headers, body)
-                except UpstreamTimeout:
-                    raise
                 except GatewayError as exc:
                     last_error = exc
                     if not is_last:
-                        self._metrics.retries.labels("connect").inc()
+                        kind = "timeout" if isinstance(exc, UpstreamTimeout) else "connect"
+                        self._metrics.retries.labels(kind).inc()
                     continue
                 complete = False
                 try:
+                    if upstream.status >= 500:
+                        self._failed(state, str(upstream.status))
+                    elif self.outlier is not None:
+                        self.outlier.success(state)
                     if upstream.status in RETRY_STATUSES and not is_last:
-                        self._metrics.upstream_errors.labels(
-                            state.address, str(upstream.status)
-                        ).inc()
                         self._metrics.retries.labels(str(upstream.status)).inc()
                         last_error = UpstreamFailed(
                             f"endpoint {state.address} answered {upstream.status}"
@@ -225,10 +256,10 @@ class Proxy:
         try:
             data = await upstream.read()
         except (aiohttp.ClientError, OSError) as exc:
-            self._metrics.upstream_errors.labels(state.address, "body").inc()
+            self._failed(state, "body")
             raise UpstreamFailed(f"endpoint {state.address} broke off its answer") from exc
         except TimeoutError as exc:
-            self._metrics.upstream_errors.labels(state.address, "timeout").inc()
+            self._failed(state, "timeout")
             raise UpstreamTimeout(f"endpoint {state.address} did not finish in time") from exc
         record.ttft_ms = (time.monotonic() - started) * 1000.0
         if USAGE_MARK in data:
@@ -271,7 +302,7 @@ class Proxy:
         return response
 
     def _midstream(self, state: EndpointState, record: AccessRecord, exc: BaseException) -> None:
-        self._metrics.upstream_errors.labels(state.address, "midstream").inc()
+        self._failed(state, "midstream")
         record.error = f"midstream: {exc!r}"
 
     @staticmethod

@@ -1,4 +1,10 @@
-"""Running the gateway: uvloop, one listening socket, graceful shutdown on SIGTERM/SIGINT."""
+"""Running the gateway: uvloop, one listening socket, graceful shutdown on SIGTERM/SIGINT.
+
+On SIGTERM the listening socket closes first (new connections are refused),
+requests still waiting in flow control are turned away with 503, and requests
+in flight (streams included) get up to `gateway.drain_timeout_s` to finish
+before they are cancelled; then the background tasks stop.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +13,23 @@ import logging
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
-from servegate.config import ServegateConfig
+from servegate.config import GatewaySettings, ServegateConfig
 from servegate.gateway.app import build_gateway, create_app
 
 log = logging.getLogger("servegate.server")
+
+
+def server_options(settings: GatewaySettings) -> dict[str, Any]:
+    """aiohttp's request-parser limits: request line, header field size and header count."""
+    return {
+        "max_line_size": settings.max_line_bytes,
+        "max_field_size": settings.max_header_bytes,
+        "max_headers": settings.max_headers,
+    }
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
@@ -28,13 +44,18 @@ async def serve_until_stopped(
     config: ServegateConfig,
     config_dir: Path | None = None,
     stop: asyncio.Event | None = None,
-    drain_timeout_s: float = 30.0,
+    drain_timeout_s: float | None = None,
     on_started: Callable[[int], None] | None = None,
 ) -> None:
     gw = build_gateway(config, config_dir)
     app = create_app(gw)
+    drain = config.gateway.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
     runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=drain_timeout_s
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=drain,
+        **server_options(config.gateway),
     )
     await runner.setup()
     site = web.TCPSite(

@@ -42,6 +42,7 @@ class Endpoint:
     metrics_url: str | None = None
     health_url: str | None = None
     kv_events: str | None = None
+    kv_events_replay: str | None = None
     pool: str = "default"
 
     @property

@@ -26,6 +26,7 @@ class ModelEntry:
 
 
 Listener = Callable[[str, EndpointState], None]
+StateWatcher = Callable[[EndpointState], None]
 
 
 class Pool:
@@ -37,11 +38,24 @@ class Pool:
         self._discovered: dict[str, dict[str, ModelEntry]] = {}
         self._models: dict[str, ModelEntry] = {}
         self._listeners: list[Listener] = []
+        self._watchers: list[StateWatcher] = []
 
     # -- membership (discovery) -------------------------------------------------
     def subscribe(self, listener: Listener) -> None:
         """`listener("added"|"removed", state)`: lets the data layer start/stop tasks."""
         self._listeners.append(listener)
+
+    def watch_state(self, watcher: StateWatcher) -> None:
+        """`watcher(state)` after every write of live state (metrics, health, drain, ejection).
+
+        Lets waiters (flow control) react to a scrape instead of polling; called
+        on the event loop's thread, so it must be cheap and must not block.
+        """
+        self._watchers.append(watcher)
+
+    def _changed(self, state: EndpointState) -> None:
+        for watcher in self._watchers:
+            watcher(state)
 
     def add(self, endpoint: Endpoint) -> EndpointState:
         existing = self._states.get(endpoint.address)
@@ -86,11 +100,13 @@ class Pool:
         state = self._states.get(address)
         if state is not None:
             state.metrics = metrics
+            self._changed(state)
 
     def set_health(self, address: str, healthy: bool) -> None:
         state = self._states.get(address)
         if state is not None:
             state.healthy = healthy
+            self._changed(state)
 
     def set_served_models(self, address: str, models: Iterable[ModelEntry]) -> None:
         state = self._states.get(address)
@@ -106,12 +122,14 @@ class Pool:
         if state is None:
             return False
         state.draining = draining
+        self._changed(state)
         return True
 
     def eject(self, address: str, until: float) -> None:
         state = self._states.get(address)
         if state is not None:
             state.ejected_until = until
+            self._changed(state)
 
     # -- in-flight accounting (gateway) -----------------------------------------
     def acquire(self, state: EndpointState, tokens: int, now: float | None = None) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -44,6 +44,8 @@ DEFAULT_PICKER_CONFIG = """\
 apiVersion: llm-d.ai/v1alpha1
 kind: EndpointPickerConfig
 plugins:
+- type: precise-prefix-cache-scorer
+- type: prefix-cache-scorer
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
 - type: active-request-scorer
@@ -51,29 +53,34 @@ plugins:
 schedulingProfiles:
 - name: default
   plugins:
+  - {pluginRef: precise-prefix-cache-scorer, weight: 1}
+  - {pluginRef: prefix-cache-scorer, weight: 3}
   - {pluginRef: queue-scorer, weight: 2}
   - {pluginRef: kv-cache-utilization-scorer, weight: 2}
   - {pluginRef: active-request-scorer, weight: 2}
   - {pluginRef: max-score-picker}
 """
-"""The picker config used when none is given.
+"""The picker config used when none is given, chosen by measurement
+(`bench/bench_cache_routing.py`; the candidates and their numbers are in
+docs/cache-routing.md).
 
-Three load signals with equal weight. Queue length and KV usage come from the
-replicas' own metrics (global, but up to one scrape interval old); active
-requests are this router's in-flight counts (exact at dispatch, but local).
-Equal weights let a fresh in-flight difference offset a stale queue difference,
-so a burst that arrives between two scrapes is spread instead of piling onto
-the replica that looked emptiest at the last scrape.
+Prefix affinity (weight 4 in all) against load (weight 6). The approximate
+prefix scorer needs nothing configured: it remembers what was routed where
+(token blocks when a tokenizer is configured, character blocks otherwise). The
+precise one adds the replicas' own KV events when they are configured and
+contributes nothing otherwise. Load is queue length and KV usage from the
+replicas' metrics (global, one scrape old) and this router's in-flight counts
+(exact, local), equally weighted, so a burst between two scrapes is spread.
+Because the load scorers can outvote a full prefix match (6 > 4), a popular
+prefix spreads to more replicas when its replica is the busiest on every load
+signal, instead of pinning one replica at saturation; with the load roughly
+even, the prefix match decides. No filter: every replica stays a fallback.
 """
 
 KNOWN_UNIMPLEMENTED: dict[str, str] = {
-    "precise-prefix-cache-scorer": "prefix scoring from KV events is planned",
-    "no-hit-lru-scorer": "",
-    "session-affinity-scorer": "",
     "pending-tokens-scorer": "token-load-scorer scores the router's in-flight tokens",
     "latency-scorer": "",
     "context-length-aware": "",
-    "prefix-cache-affinity-filter": "",
     "by-label": "label-selector-filter with a matchExpressions `In` requirement does the same",
     "disagg-profile-handler": "prefill/decode disaggregation is planned",
     "pd-profile-handler": "prefill/decode disaggregation is planned",
@@ -89,11 +96,20 @@ KNOWN_UNIMPLEMENTED: dict[str, str] = {
 }
 """llm-d / Gateway API Inference Extension plugin types servegate does not implement yet."""
 
-UNSUPPORTED_SECTIONS = ("featureGates", "saturationDetector", "data", "flowControl")
+UNSUPPORTED_SECTIONS = ("data", "dataLayer")
 
 
 class PickerConfigError(ValueError):
     """The picker configuration cannot be used; the message says where and how to fix it."""
+
+
+@runtime_checkable
+class PluginBinder(Protocol):
+    """A plugin that reads another declared plugin (a filter reading a prefix scorer)."""
+
+    def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
+        """Find the plugins it needs; ValueError says which is missing and how to fix it."""
+        ...
 
 
 class _Strict(BaseModel):
@@ -125,6 +141,10 @@ class EndpointPickerConfig(_Strict):
     scheduling_profiles: list[SchedulingProfileSpec] = Field(
         default_factory=list, alias="schedulingProfiles"
     )
+    feature_gates: list[str] = Field(default_factory=list, alias="featureGates")
+    flow_control: dict[str, Any] | None = Field(None, alias="flowControl")
+    """llm-d's flow-control section; translated by `scheduling.flowcontrol.settings`."""
+    saturation_detector: dict[str, Any] | None = Field(None, alias="saturationDetector")
 
 
 def _validation_message(exc: ValidationError) -> str:
@@ -267,6 +287,28 @@ def _build_profile(
     return SchedulerProfile(spec.name, filters, scorers, picker or fallback), used_fallback
 
 
+def _check_flow_control(config: EndpointPickerConfig, plugins: Mapping[str, Plugin]) -> None:
+    """Fail at load time, not at serve time, when llm-d's flow-control sections cannot be used."""
+    from servegate.scheduling.flowcontrol import (
+        FlowControlSectionError,
+        FlowControlSettings,
+        from_picker_sections,
+        resolve_detector,
+    )
+
+    try:
+        _, plugin_ref = from_picker_sections(
+            FlowControlSettings(),
+            config.feature_gates,
+            config.flow_control,
+            config.saturation_detector,
+        )
+        if plugin_ref:
+            resolve_detector(plugin_ref, plugins)
+    except FlowControlSectionError as exc:
+        raise PickerConfigError(str(exc)) from exc
+
+
 def load_picker_config(
     doc: Mapping[str, Any] | str,
     ctx: PluginContext,
@@ -287,6 +329,16 @@ def load_picker_config(
             )
         declared_at[name] = i
         plugins[name] = _instantiate(spec, i, ctx, factories)
+
+    for i, spec in enumerate(config.plugins):
+        plugin = plugins[spec.name or spec.type]
+        if isinstance(plugin, PluginBinder):
+            try:
+                plugin.bind_plugins(plugins)
+            except ValueError as exc:
+                raise PickerConfigError(
+                    f"plugins[{i}] {_label(spec.type, plugin.name)}: {exc}"
+                ) from exc
 
     handlers = [p for p in plugins.values() if isinstance(p, ProfileHandler)]
     if len(handlers) > 1:
@@ -342,6 +394,7 @@ def load_picker_config(
             )
         while handler.name in plugins:
             handler = SingleProfileHandler(f"default-{handler.name}")
+    _check_flow_control(config, plugins)
     if isinstance(handler, ProfileSetCheck):
         try:
             handler.check_profiles(profiles)

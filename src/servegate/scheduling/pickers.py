@@ -2,6 +2,8 @@
 
 The first endpoint returned is the target, the rest are fallbacks for retries.
 All randomness comes from `cycle.rng`, so a seeded cycle is reproducible.
+`round-robin-picker` keeps no counter of its own: it reads when each endpoint was
+last picked, which the pool records at dispatch.
 
 `maxNumOfEndpoints` caps how many endpoints a picker returns, as in llm-d. Its
 default differs on purpose: llm-d returns 1 unless told otherwise; servegate
@@ -146,3 +148,33 @@ class WeightedRandomPicker(_Picker):
             rng.shuffle(zeros)
             order.extend(zeros)
         return [endpoints[i] for i in order[:k]]
+
+
+class RoundRobinPicker(_Picker):
+    """Least recently picked first, ignoring scores: a rotation over the candidates.
+
+    Orders candidates by `last_picked_at` (set by the pool when the gateway
+    dispatches), oldest first, ties by address. Because the pool stamps the chosen
+    endpoint before the next request is scheduled, successive requests walk the
+    candidates in turn; an endpoint that joins the pool is never picked yet and
+    goes first once. The baseline for comparing routing policies.
+    """
+
+    __slots__ = ()
+    type: ClassVar[str] = "round-robin-picker"
+
+    def pick(
+        self,
+        cycle: CycleState,
+        request: LLMRequest,
+        endpoints: list[EndpointState],
+        scores: list[float],
+    ) -> list[EndpointState]:
+        if len(endpoints) <= 1:
+            return list(endpoints)
+        order = sorted(endpoints, key=_last_picked)
+        return order[: self._limit(len(order))]
+
+
+def _last_picked(state: EndpointState) -> tuple[float, str]:
+    return state.last_picked_at, state.endpoint.address

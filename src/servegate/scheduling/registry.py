@@ -116,8 +116,9 @@ def decode_parameters(
 
 def builtin_registry() -> dict[str, PluginFactory]:
     """Every built-in plugin type string and its factory, in one explicit list."""
-    from servegate.scheduling import filters, pickers, profiles, scorers
-    from servegate.scheduling.prefix import approx
+    from servegate.scheduling import affinity, filters, pickers, profiles, scorers
+    from servegate.scheduling.flowcontrol import saturation
+    from servegate.scheduling.prefix import approx, precise
 
     registry: dict[str, PluginFactory] = {
         # scorers
@@ -130,16 +131,24 @@ def builtin_registry() -> dict[str, PluginFactory]:
         scorers.TokenLoadScorer.type: scorers.TokenLoadScorer.from_config,
         scorers.LoraAffinityScorer.type: scorers.LoraAffinityScorer.from_config,
         approx.PrefixCacheScorer.type: approx.PrefixCacheScorer.from_config,
+        precise.PrecisePrefixCacheScorer.type: precise.PrecisePrefixCacheScorer.from_config,
+        affinity.NoHitLRUScorer.type: affinity.NoHitLRUScorer.from_config,
+        affinity.SessionAffinityScorer.type: affinity.SessionAffinityScorer.from_config,
         # filters
         filters.LabelSelectorFilter.type: filters.LabelSelectorFilter.from_config,
         filters.LEGACY_LABEL_SELECTOR_TYPE: filters.LabelSelectorFilter.from_config,
         filters.DecodeFilter.type: filters.DecodeFilter.from_config,
         filters.PrefillFilter.type: filters.PrefillFilter.from_config,
         filters.FreshMetricsFilter.type: filters.FreshMetricsFilter.from_config,
+        affinity.PrefixCacheAffinityFilter.type: affinity.PrefixCacheAffinityFilter.from_config,
+        # saturation detectors (flow control's gate; also filters)
+        saturation.UtilizationDetector.type: saturation.UtilizationDetector.from_config,
+        saturation.ConcurrencyDetector.type: saturation.ConcurrencyDetector.from_config,
         # pickers
         pickers.MaxScorePicker.type: pickers.MaxScorePicker.from_config,
         pickers.RandomPicker.type: pickers.RandomPicker.from_config,
         pickers.WeightedRandomPicker.type: pickers.WeightedRandomPicker.from_config,
+        pickers.RoundRobinPicker.type: pickers.RoundRobinPicker.from_config,
         # profile handlers
         profiles.SingleProfileHandler.type: profiles.SingleProfileHandler.from_config,
     }

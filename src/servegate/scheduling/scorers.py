@@ -229,8 +229,11 @@ class LoraAffinityScorer(_Simple):
     """Prefer replicas that already run the requested LoRA adapter, then ones with a free slot.
 
     1.0 adapter running; 0.8 a slot is free (`|running | waiting| < max_lora`);
-    0.6 adapter waiting; 0 otherwise, and 0 for a replica that publishes no LoRA
-    state. A request for the base model scores 1.0 everywhere.
+    0.6 adapter waiting; 0 otherwise. A request for the base model scores 1.0
+    everywhere. vLLM publishes no `lora_requests_info` series until a replica's
+    first adapter request, so a replica without LoRA state whose `/v1/models`
+    lists adapters (LoRA is enabled, nothing in flight) has a free slot: 0.8; one
+    that lists none scores 0.
     """
 
     __slots__ = ()
@@ -246,7 +249,7 @@ class LoraAffinityScorer(_Simple):
         for s in endpoints:
             info = s.metrics.lora
             if info is None:
-                out.append(0.0)
+                out.append(0.8 if adapter in s.served_models or len(s.served_models) > 1 else 0.0)
             elif adapter in info.running:
                 out.append(1.0)
             elif len(info.running | info.waiting) < info.max_lora:

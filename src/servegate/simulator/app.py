@@ -227,7 +227,9 @@ async def tokenize(request: web.Request) -> web.Response:
             text = body["prompt"]
         else:
             raise BadRequest("Either 'prompt' (a string) or 'messages' must be provided.")
-        ids = tok.encode(text)
+        ids = tok.encode(
+            text, add_special_tokens=openai_api.add_special_tokens(body, "messages" in body)
+        )
     except BadRequest as exc:
         return error_response(state, 400, exc.message, "BadRequestError", exc.param)
     except RequestError as exc:

@@ -1,9 +1,11 @@
 """A HuggingFace tokenizer folder behind the simulator's `Tokenizer` protocol.
 
 Needs the `tokenizers` package (and `jinja2` for the folder's own chat
-template; without it, or without a template, the built-in template format of
-`tokenizer.py` is used). The same folder given to real vLLM and to the router
-yields the same token ids, so precise prefix routing can be compared.
+template, from `tokenizer_config.json` or `chat_template.jinja`; without it, or
+without a template, the built-in template format of `tokenizer.py` is used). The
+same folder given to real vLLM and to the router yields the same token ids, so
+precise prefix routing can be compared: like vLLM, a completion prompt gets the
+tokenizer's special tokens (BOS) and a rendered chat template does not.
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ class HFTokenizer:
         eos = special.get("eos_token")
         eos_id = tok.token_to_id(eos) if eos else None
         template = config.get("chat_template")
+        template_file = file.parent / "chat_template.jinja"
+        if template is None and template_file.is_file():
+            template = template_file.read_text()
         return cls(
             tok,
             name=str(folder),
@@ -75,8 +80,8 @@ class HFTokenizer:
             special=special,
         )
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=False))

@@ -9,11 +9,13 @@ Pure and synchronous, so every rule can be checked block by block in unit tests:
   `hash_block_tokens`. Only full blocks are cached.
 - A lookup matches leading full blocks of a sequence but at most
   `num_tokens - 1` tokens: the last prompt token is always computed again.
-- Blocks are reference counted. A block whose count drops to 0 goes to the tail
-  of the free queue *and keeps its hash*; allocation takes blocks from the head
-  (least recently freed first) and only then evicts the hash it held. A
+- Blocks are reference counted. A cached block whose count drops to 0 goes to
+  the tail of the free queue *and keeps its hash*; allocation takes blocks from
+  the head (least recently freed first) and only then evicts the hash it held. A
   sequence frees its blocks last-to-first, so the tail of a prompt is evicted
-  before its head, as vLLM does.
+  before its head, as vLLM does. A freed block without a hash (the partial last
+  block, which can never be hit) goes to the *head*, so it is reused before any
+  cached block is evicted (vLLM >= 0.11's `free_blocks`).
 - Blocks are cached (and `BlockStored` emitted) when they are allocated for the
   tokens that fill them, before the step computes them, as vLLM does.
 - Two sequences can compute the same block at the same time; both copies are
@@ -223,11 +225,21 @@ class KVCache:
             )
 
     def free(self, seq: SeqBlocks) -> None:
-        """Release a sequence's blocks, last block first."""
+        """Release a sequence's blocks, last block first (vLLM's `free_blocks`): a cached
+        block goes to the tail of the free queue, an uncached one (a partial block, or
+        any block without prefix caching) to the head, so it is reused before any
+        cached block is evicted."""
+        reuse_first: list[Block] = []
         for block in reversed(seq.blocks):
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free[block.block_id] = block
+                if block.block_hash is None:
+                    reuse_first.append(block)
+                else:
+                    self._free[block.block_id] = block
+        for block in reversed(reuse_first):
+            self._free[block.block_id] = block
+            self._free.move_to_end(block.block_id, last=False)
         seq.blocks = []
         seq.num_cached_blocks = 0
 

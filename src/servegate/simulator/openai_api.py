@@ -37,6 +37,13 @@ JSON = "application/json"
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 
 
+def add_special_tokens(body: dict[str, Any], chat: bool) -> bool:
+    """vLLM's request field: a completion prompt gets the tokenizer's special tokens
+    (BOS) by default, a chat template renders its own."""
+    value = body.get("add_special_tokens")
+    return value if isinstance(value, bool) else not chat
+
+
 def error_response(
     state: SimState,
     status: int,
@@ -114,7 +121,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             add_generation_prompt = body.get("add_generation_prompt", True) is not False
             try:
                 prompt_ids = tokenizer.encode(
-                    tokenizer.apply_chat_template(messages, add_generation_prompt)
+                    tokenizer.apply_chat_template(messages, add_generation_prompt),
+                    add_special_tokens=add_special_tokens(body, chat=True),
                 )
             except ValueError as exc:
                 raise BadRequest(str(exc), "messages") from exc
@@ -122,7 +130,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             prompt = completion_prompt(body)
             if isinstance(prompt, str):
                 prompt_text = prompt
-                prompt_ids = tokenizer.encode(prompt)
+                prompt_ids = tokenizer.encode(
+                    prompt, add_special_tokens=add_special_tokens(body, chat=False)
+                )
             else:
                 prompt_ids = prompt
                 if params.echo:

@@ -228,7 +228,10 @@ class Tokenizer(Protocol):
     name: str
     eos_token_id: int
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """`add_special_tokens`: what vLLM does for a completion prompt (True) but not for
+        a rendered chat template (False), e.g. prepend BOS."""
+        ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -268,7 +271,7 @@ class BuiltinTokenizer:
     name = f"servegate-builtin-v{TOKENIZER_VERSION}"
     eos_token_id = EOS_ID
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from servegate.config import ServegateConfig, parse_config
 from servegate.gateway.app import GATEWAY, Gateway, build_gateway, create_app
+from servegate.gateway.server import server_options
 
 
 class GatewayRunner:
@@ -33,7 +34,12 @@ class GatewayRunner:
     async def __aenter__(self) -> GatewayRunner:
         gw = build_gateway(self.config, self._config_dir, self.access_stream)
         self.app = create_app(gw)
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(
+            self.app,
+            handler_cancellation=True,
+            access_log=None,
+            **server_options(self.config.gateway),
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.config.gateway.port)
         await site.start()

@@ -7,11 +7,14 @@ under two models never collides. Equal keys mean equal prefixes up to that block
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Sequence
 
 import xxhash
 
 _h = xxhash.xxh3_64_intdigest
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 def chain_seed(model: str, lora: str | None = None) -> int:
@@ -34,12 +37,23 @@ def char_block_hashes(text: str, block_chars: int, seed: int, max_blocks: int) -
 def token_block_hashes(
     tokens: Sequence[int], block_tokens: int, seed: int, max_blocks: int
 ) -> list[int]:
-    """Keys of the full `block_tokens`-token blocks of a token-id sequence."""
+    """Keys of the full `block_tokens`-token blocks of a token-id sequence.
+
+    A block's bytes are its ids as 4-byte little-endian unsigned integers; `seed`
+    is the chain's start, or the key of the block before the first one to continue
+    a chain.
+    """
     n = min(len(tokens) // block_tokens, max_blocks)
+    if n <= 0:
+        return []
+    ids = array("I", tokens[: n * block_tokens])
+    if _BIG_ENDIAN:
+        ids.byteswap()
+    data = memoryview(ids).cast("B")
+    step = block_tokens * 4
     out = []
     prev = seed
-    for i in range(n):
-        block = tokens[i * block_tokens : (i + 1) * block_tokens]
-        prev = _h(b"".join(t.to_bytes(4, "little", signed=False) for t in block), prev)
+    for start in range(0, n * step, step):
+        prev = _h(data[start : start + step], prev)
         out.append(prev)
     return out

@@ -1,0 +1,38 @@
+"""KV-cache events from model servers, in layers: ZeroMQ transport (frames,
+sequence gaps, replay) → engine decoding (vLLM/SGLang msgpack encodings) →
+domain events → the prefix indexes that consume them."""
+
+from servegate.datalayer.kvevents.decode import DecodeError, decode_batch, decode_event
+from servegate.datalayer.kvevents.events import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    EventBatch,
+)
+from servegate.datalayer.kvevents.manager import KVEventsManager, KVEventsSettings
+from servegate.datalayer.kvevents.metrics import KVEventsCollector
+from servegate.datalayer.kvevents.transport import (
+    KVEventStream,
+    KVEventSubscriber,
+    SubscriberStats,
+)
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockHash",
+    "BlockRemoved",
+    "BlockStored",
+    "DecodeError",
+    "Event",
+    "EventBatch",
+    "KVEventStream",
+    "KVEventSubscriber",
+    "KVEventsCollector",
+    "KVEventsManager",
+    "KVEventsSettings",
+    "SubscriberStats",
+    "decode_batch",
+    "decode_event",
+]

@@ -1,0 +1,232 @@
+"""One KV-event subscriber per replica, following the pool's membership.
+
+Where a replica publishes: its own `kv_events` endpoint when configured, else
+`tcp://<replica host>:<port>` when the pool sets a KV-event port. Its replay
+socket likewise (`kv_events_replay`, or the pool's replay port). With a bind
+endpoint (`tcp://*:5557`, llm-d's global socket mode) one SUB socket receives
+every replica's batches and the topic's `@<host:port>@` part says whose they are.
+
+Batches go to every `BlockIndex` (one per precise prefix scorer). A replica
+removed from the pool loses its subscriber and its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+from urllib.parse import urlsplit
+
+import zmq.asyncio
+
+from servegate.datalayer.kvevents.events import EventBatch
+from servegate.datalayer.kvevents.transport import KVEventSubscriber, SubscriberStats
+from servegate.pool.endpoint import Endpoint, EndpointState
+from servegate.pool.pool import Pool
+
+log = logging.getLogger(__name__)
+
+
+class BlockIndex(Protocol):
+    def apply(self, address: str, batch: EventBatch) -> None: ...
+
+    def clear(self, address: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsSettings:
+    """Where replicas publish, when their endpoints do not say."""
+
+    port: int | None = None
+    """Derive `tcp://<replica host>:<port>` for replicas without their own endpoint."""
+    replay_port: int | None = None
+    """Derive the replay socket `tcp://<host>:<replay_port>` the same way."""
+    topic_filter: str = ""
+    """ZMQ subscription prefix; "" receives every topic."""
+    bind_endpoint: str | None = None
+    """A SUB socket to bind for all replicas (`tcp://*:5557`)."""
+    replay_timeout_s: float = 2.0
+
+
+def _host(endpoint: str) -> str | None:
+    parts = urlsplit(endpoint)
+    return parts.hostname
+
+
+def address_of_topic(topic: bytes) -> str | None:
+    """`kv@<host:port>@<model>` → `host:port`."""
+    parts = topic.decode("utf-8", "replace").split("@")
+    return parts[1] if len(parts) >= 3 and parts[1] else None
+
+
+class _EndpointSink:
+    __slots__ = ("address", "indexes")
+
+    def __init__(self, address: str, indexes: Sequence[BlockIndex]) -> None:
+        self.address = address
+        self.indexes = indexes
+
+    def apply(self, topic: bytes, batch: EventBatch) -> None:
+        for index in self.indexes:
+            index.apply(self.address, batch)
+
+    def reset(self, topic: bytes) -> None:
+        for index in self.indexes:
+            index.clear(self.address)
+
+
+class _TopicSink:
+    """Global socket mode: the topic names the replica."""
+
+    def __init__(self, pool: Pool, indexes: Sequence[BlockIndex], stats: SubscriberStats) -> None:
+        self.pool = pool
+        self.indexes = indexes
+        self.stats = stats
+
+    def _address(self, topic: bytes) -> str | None:
+        address = address_of_topic(topic)
+        if address is None or self.pool.get(address) is None:
+            self.stats.drop("unknown-topic")
+            return None
+        return address
+
+    def apply(self, topic: bytes, batch: EventBatch) -> None:
+        address = self._address(topic)
+        if address is not None:
+            for index in self.indexes:
+                index.apply(address, batch)
+
+    def reset(self, topic: bytes) -> None:
+        address = self._address(topic)
+        if address is not None:
+            for index in self.indexes:
+                index.clear(address)
+
+
+class KVEventsManager:
+    def __init__(
+        self,
+        pool: Pool,
+        indexes: Sequence[BlockIndex],
+        settings: KVEventsSettings | None = None,
+    ) -> None:
+        self.pool = pool
+        self.indexes = list(indexes)
+        self.settings = settings or KVEventsSettings()
+        self.subscribers: dict[str, KVEventSubscriber] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
+        self._context: zmq.asyncio.Context | None = None
+        self._running = False
+        self._subscribed = False
+
+    def resolve(self, endpoint: Endpoint) -> tuple[str, str | None] | None:
+        """(publisher endpoint, replay endpoint) of a replica, or None when unknown."""
+        s = self.settings
+        if endpoint.kv_events:
+            url = endpoint.kv_events
+            replay = endpoint.kv_events_replay
+            if replay is None and s.replay_port is not None and url.startswith("tcp://"):
+                host = _host(url)
+                if host:
+                    replay = f"tcp://{host}:{s.replay_port}"
+            return url, replay
+        if s.port is None or s.bind_endpoint is not None:
+            return None
+        host = endpoint.host
+        replay = endpoint.kv_events_replay
+        if replay is None and s.replay_port is not None:
+            replay = f"tcp://{host}:{s.replay_port}"
+        return f"tcp://{host}:{s.port}", replay
+
+    async def start(self) -> None:
+        if self._running or not self.indexes:
+            return
+        self._running = True
+        self._context = zmq.asyncio.Context()
+        if not self._subscribed:
+            self.pool.subscribe(self._on_pool_change)
+            self._subscribed = True
+        bind = self.settings.bind_endpoint
+        if bind is not None:
+            stats = SubscriberStats()
+            subscriber = KVEventSubscriber(
+                self._context,
+                bind,
+                _TopicSink(self.pool, self.indexes, stats),
+                topic_filter=self.settings.topic_filter,
+                name=bind,
+                stats=stats,
+            )
+            self._launch(bind, subscriber)
+        for state in self.pool:
+            self._watch(state.endpoint)
+
+    async def stop(self) -> None:
+        self._running = False
+        tasks = [*self._tasks.values(), *self._stopping]
+        self._tasks.clear()
+        self._stopping.clear()
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._context is not None:
+            self._context.destroy(linger=0)
+            self._context = None
+
+    async def wait_ready(self, timeout: float = 5.0) -> None:
+        """Until every subscriber has connected or bound (tests and benchmarks)."""
+        await asyncio.wait_for(
+            asyncio.gather(*(s.ready.wait() for s in self.subscribers.values())), timeout
+        )
+
+    def stats(self) -> dict[str, SubscriberStats]:
+        return {name: s.stats for name, s in self.subscribers.items()}
+
+    def _on_pool_change(self, event: str, state: EndpointState) -> None:
+        if not self._running:
+            return
+        if event == "added":
+            self._watch(state.endpoint)
+        elif event == "removed":
+            self._unwatch(state.address)
+            for index in self.indexes:
+                index.clear(state.address)
+
+    def _watch(self, endpoint: Endpoint) -> None:
+        resolved = self.resolve(endpoint)
+        if resolved is None or self._context is None:
+            return
+        self._unwatch(endpoint.address)
+        url, replay = resolved
+        subscriber = KVEventSubscriber(
+            self._context,
+            url,
+            _EndpointSink(endpoint.address, self.indexes),
+            replay_endpoint=replay,
+            topic_filter=self.settings.topic_filter,
+            replay_timeout_s=self.settings.replay_timeout_s,
+            name=endpoint.address,
+        )
+        self._launch(endpoint.address, subscriber)
+
+    def _launch(self, name: str, subscriber: KVEventSubscriber) -> None:
+        self.subscribers[name] = subscriber
+        task = asyncio.get_running_loop().create_task(subscriber.run(), name=f"kv-events {name}")
+        task.add_done_callback(self._task_done)
+        self._tasks[name] = task
+
+    def _unwatch(self, name: str) -> None:
+        self.subscribers.pop(name, None)
+        task = self._tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+            self._stopping.add(task)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._stopping.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("KV-event task %s ended: %r", task.get_name(), task.exception())

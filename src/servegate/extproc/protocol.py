@@ -1,0 +1,220 @@
+"""The endpoint-picker protocol on Envoy's ext_proc messages: names, readers, builders.
+
+Everything that knows a protobuf field lives here, so the stream logic reads
+plain Python values. The names are the Gateway API Inference Extension's
+(proposal 004, "Endpoint Picker Protocol"):
+
+    request  metadata  envoy.lb.subset_hint → x-gateway-destination-endpoint-subset: [ip:port…]
+    answer   header    x-gateway-destination-endpoint: ip:port[,ip:port…]
+             metadata  envoy.lb → x-gateway-destination-endpoint (the same value)
+    response metadata  envoy.lb → x-gateway-destination-endpoint-served: ip:port
+
+In FULL_DUPLEX_STREAMED mode the header answer waits until the body is
+complete; bodies go back as `streamed_response` chunks of at most
+`BODY_CHUNK_BYTES` (some Envoy builds cap a chunk at 64 KiB).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    BodyMutation,
+    BodyResponse,
+    CommonResponse,
+    HeaderMutation,
+    HeadersResponse,
+    ImmediateResponse,
+    ProcessingResponse,
+    StreamedBodyResponse,
+    TrailersResponse,
+)
+from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.struct_pb2 import Struct, Value
+
+SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+DESTINATION_NAMESPACE = "envoy.lb"
+DESTINATION_KEY = "x-gateway-destination-endpoint"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+BODY_CHUNK_BYTES = 62_000
+FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
+OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+Message = Any
+"""A protobuf message from xds-protos (the package ships no type stubs)."""
+
+
+class ProtocolMismatch(Exception):
+    """Envoy is configured for a processing mode this picker does not speak."""
+
+
+# -- reading ---------------------------------------------------------------------------
+
+
+def kind_of(request: Message) -> str:
+    """Which oneof a `ProcessingRequest` carries: `request_headers`, `response_body`, …"""
+    kind: str | None = request.WhichOneof("request")
+    return kind or ""
+
+
+def headers_of(header_map: Message) -> dict[str, str]:
+    """A `HeaderMap` as lower-cased names → values (Envoy sends `raw_value` bytes)."""
+    out: dict[str, str] = {}
+    for header in header_map.headers:
+        raw: bytes = header.raw_value
+        value: str = raw.decode("utf-8", "replace") if raw else header.value
+        out[header.key.lower()] = value
+    return out
+
+
+def check_mode(request: Message) -> None:
+    """Refuse a stream whose proxy announces a request body mode other than full duplex."""
+    if not request.HasField("protocol_config"):
+        return
+    mode = request.protocol_config.request_body_mode
+    if mode not in (FULL_DUPLEX, ProcessingMode.NONE):
+        name = ProcessingMode.BodySendMode.Name(mode)
+        raise ProtocolMismatch(
+            f"request_body_mode is {name}; servegate's endpoint picker needs "
+            "FULL_DUPLEX_STREAMED (see deploy/extproc/envoy.yaml)"
+        )
+
+
+def _metadata_value(request: Message, namespace: str, key: str) -> Message | None:
+    if not request.HasField("metadata_context"):
+        return None
+    entries = request.metadata_context.filter_metadata
+    if namespace not in entries:
+        return None
+    fields = entries[namespace].fields
+    if key not in fields:
+        return None
+    return fields[key]
+
+
+def subset_hint(request: Message) -> tuple[str, ...] | None:
+    """The proxy's candidate subset, or None when it sets none (any endpoint may be picked).
+
+    A list of strings is the protocol's shape; a comma-separated string is read
+    too. Anything else counts as an empty subset, which the picker answers with 503.
+    """
+    value = _metadata_value(request, SUBSET_NAMESPACE, SUBSET_KEY)
+    if value is None:
+        return None
+    which = value.WhichOneof("kind")
+    if which == "list_value":
+        return tuple(
+            v.string_value.strip()
+            for v in value.list_value.values
+            if v.WhichOneof("kind") == "string_value" and v.string_value.strip()
+        )
+    if which == "string_value":
+        return tuple(p.strip() for p in value.string_value.split(",") if p.strip())
+    return ()
+
+
+def served_endpoint(request: Message) -> str | None:
+    """The endpoint that served the request, as the proxy reports it on the response."""
+    value = _metadata_value(request, DESTINATION_NAMESPACE, SERVED_KEY)
+    if value is None or value.WhichOneof("kind") != "string_value":
+        return None
+    served: str = value.string_value.split(",")[0].strip()
+    return served or None
+
+
+# -- building --------------------------------------------------------------------------
+
+
+def header_options(headers: Mapping[str, str]) -> list[Message]:
+    return [
+        HeaderValueOption(
+            header=HeaderValue(key=name, raw_value=value.encode()), append_action=OVERWRITE
+        )
+        for name, value in headers.items()
+    ]
+
+
+def destination_metadata(destinations: str) -> Message:
+    metadata = Struct()
+    metadata.fields[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION_KEY].CopyFrom(
+        Value(string_value=destinations)
+    )
+    return metadata
+
+
+def request_headers_response(
+    set_headers: Mapping[str, str], remove_headers: Iterable[str], destinations: str
+) -> Message:
+    """The answer to the request headers: where to send it, in a header and in metadata."""
+    return ProcessingResponse(
+        request_headers=HeadersResponse(
+            response=CommonResponse(
+                clear_route_cache=True,
+                header_mutation=HeaderMutation(
+                    set_headers=header_options(set_headers), remove_headers=list(remove_headers)
+                ),
+            )
+        ),
+        dynamic_metadata=destination_metadata(destinations),
+    )
+
+
+def _streamed(body: bytes, end_of_stream: bool) -> Message:
+    return CommonResponse(
+        body_mutation=BodyMutation(
+            streamed_response=StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
+        )
+    )
+
+
+def request_body_responses(body: bytes, end_of_stream: bool) -> list[Message]:
+    """The body handed back in chunks; the last carries `end_of_stream` unless trailers follow."""
+    if not body:
+        return [
+            ProcessingResponse(request_body=BodyResponse(response=_streamed(b"", end_of_stream)))
+        ]
+    out = []
+    for start in range(0, len(body), BODY_CHUNK_BYTES):
+        chunk = body[start : start + BODY_CHUNK_BYTES]
+        last = start + BODY_CHUNK_BYTES >= len(body)
+        out.append(
+            ProcessingResponse(
+                request_body=BodyResponse(response=_streamed(chunk, end_of_stream and last))
+            )
+        )
+    return out
+
+
+def response_headers_response(set_headers: Mapping[str, str]) -> Message:
+    mutation = HeaderMutation(set_headers=header_options(set_headers))
+    return ProcessingResponse(
+        response_headers=HeadersResponse(response=CommonResponse(header_mutation=mutation))
+    )
+
+
+def response_body_response(body: bytes, end_of_stream: bool) -> Message:
+    return ProcessingResponse(response_body=BodyResponse(response=_streamed(body, end_of_stream)))
+
+
+def request_trailers_response() -> Message:
+    return ProcessingResponse(request_trailers=TrailersResponse())
+
+
+def response_trailers_response() -> Message:
+    return ProcessingResponse(response_trailers=TrailersResponse())
+
+
+def immediate_response(status: int, headers: Mapping[str, str], body: bytes) -> Message:
+    """Answer the client directly (400/401/404/413/429/503): Envoy sends no request upstream."""
+    return ProcessingResponse(
+        immediate_response=ImmediateResponse(
+            status=HttpStatus(code=status),
+            headers=HeaderMutation(set_headers=header_options(headers)),
+            body=body,
+        )
+    )

@@ -1,0 +1,132 @@
+"""Operator routes: the pool's state, and draining an endpoint, behind their own key.
+
+    GET  /admin/pool                          endpoints, passive health, flow control
+    POST /admin/endpoints/{address}/drain     take no new requests, finish what it has
+    POST /admin/endpoints/{address}/undrain
+
+Admin keys (`gateway.admin_keys`) are separate from the API keys clients use,
+compared in constant time; with none configured every admin call answers 403.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from servegate.gateway.errors import Forbidden, GatewayError, NotFound, Unauthorized, render
+
+ADMIN_PREFIX = "/admin/"
+
+
+def check_admin_key(keys: tuple[str, ...], header: str) -> None:
+    if not keys:
+        raise Forbidden("the admin API is disabled; set gateway.admin_keys to enable it")
+    scheme, _, token = header.partition(" ")
+    supplied = token.strip().encode() if scheme.lower() == "bearer" else b""
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(supplied, key.encode())
+    if not ok:
+        raise Unauthorized("invalid or missing admin key; send 'Authorization: Bearer <admin key>'")
+
+
+def pool_state(gw: Any, now: float | None = None) -> dict[str, Any]:
+    """What an operator needs to see: every endpoint's live state, passive health, flow control."""
+    t = time.monotonic() if now is None else now
+    pool = gw.pool
+    outlier = getattr(gw, "outlier", None)
+    endpoints = []
+    for s in pool:
+        m = s.metrics
+        record = outlier.records.get(s.address) if outlier is not None else None
+        endpoints.append(
+            {
+                "address": s.address,
+                "url": s.endpoint.url,
+                "engine": s.endpoint.engine,
+                "role": s.endpoint.role.value,
+                "model": s.endpoint.model,
+                "available": pool.is_available(s, t),
+                "healthy": s.healthy,
+                "draining": s.draining,
+                "ejected_for_s": round(max(0.0, s.ejected_until - t), 3),
+                "in_flight_requests": s.in_flight_requests,
+                "in_flight_tokens": s.in_flight_tokens,
+                "picks": s.picks,
+                "metrics": {
+                    "waiting": m.waiting,
+                    "running": m.running,
+                    "kv_usage": m.kv_usage,
+                    "age_s": round(t - m.scraped_at, 3) if m.scraped_at else None,
+                },
+                "passive_health": None
+                if record is None
+                else {
+                    "consecutive_failures": record.consecutive_failures,
+                    "ejections": record.ejected_total,
+                    "refused_ejections": record.refused_total,
+                    "failures": dict(record.failures),
+                },
+            }
+        )
+    out: dict[str, Any] = {
+        "pool": pool.name,
+        "ready_endpoints": pool.ready_count(t),
+        "endpoints": endpoints,
+    }
+    admission = getattr(gw, "admission", None)
+    if admission is not None:
+        controller = admission.controller
+        out["flow_control"] = {
+            "enabled": controller.enabled,
+            "saturation": controller.saturation(t),
+            "queued": controller.queues.requests,
+            "queued_bytes": controller.queues.bytes,
+            "queued_by_priority": {str(k): v for k, v in controller.queued_by_priority().items()},
+            "outcomes": {
+                f"{priority}/{outcome.value}": n
+                for (priority, outcome), n in sorted(controller.stats.outcomes.items())
+            },
+        }
+    return out
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+
+
+def add_admin_routes(app: web.Application, gateway_key: web.AppKey[Any]) -> None:
+    def _gw(request: web.Request) -> Any:
+        gw = request.app[gateway_key]
+        check_admin_key(gw.config.gateway.admin_keys, request.headers.get("Authorization", ""))
+        return gw
+
+    async def get_pool(request: web.Request) -> web.Response:
+        try:
+            return _json(pool_state(_gw(request)))
+        except GatewayError as exc:
+            return render(exc)
+
+    def _set_draining(draining: bool) -> Any:
+        async def handler(request: web.Request) -> web.Response:
+            try:
+                gw = _gw(request)
+                address = request.match_info["address"]
+                if not gw.pool.set_draining(address, draining):
+                    raise NotFound(f"no endpoint {address!r} in the pool")
+            except GatewayError as exc:
+                return render(exc)
+            admission = getattr(gw, "admission", None)
+            if admission is not None:
+                admission.completed()
+            return _json({"address": address, "draining": draining})
+
+        return handler
+
+    app.router.add_get("/admin/pool", get_pool)
+    app.router.add_post("/admin/endpoints/{address}/drain", _set_draining(True))
+    app.router.add_post("/admin/endpoints/{address}/undrain", _set_draining(False))

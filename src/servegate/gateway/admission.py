@@ -1,0 +1,202 @@
+"""The gateway's side of flow control: one HTTP request's wait, its headers and its metrics.
+
+Priority comes from the objective a client names (`x-llm-d-inference-objective`,
+or the older `x-gateway-inference-objective`) looked up in the configured
+objectives; an unnamed or unknown objective is priority 0. The flow is the
+fairness id (`x-llm-d-inference-fairness-id` / `x-gateway-inference-fairness-id`),
+`default-flow` when absent. A client that disconnects while queued cancels its
+handler; the request leaves the queue and is counted as
+`EvictedContextCancelled`. Metric labels carry priority and outcome, never the
+client-chosen fairness id, so a client cannot grow the label set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from servegate.gateway.errors import GatewayError, NoEndpoints, Saturated, TtlExpired
+from servegate.pool.endpoint import EndpointState
+from servegate.pool.pool import Pool
+from servegate.scheduling.config import parse_picker_config
+from servegate.scheduling.flowcontrol import (
+    OBJECTIVE_HEADERS,
+    FlowController,
+    FlowControlSettings,
+    Outcome,
+    Rejected,
+    SaturationDetector,
+    detector_from_settings,
+    from_picker_sections,
+    queues_from_settings,
+    resolve_detector,
+)
+from servegate.scheduling.framework import Plugin
+from servegate.scheduling.registry import PluginContext
+from servegate.scheduling.request import LLMRequest
+
+QUEUE_DURATION_HEADER = "x-llm-d-flow-queue-duration-ms"
+MAX_FLOW_ID = 256
+QUEUE_BUCKETS = (
+    0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    30.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
+
+
+def objective_of(headers: Mapping[str, str]) -> str | None:
+    for name in OBJECTIVE_HEADERS:
+        value = headers.get(name)
+        if value:
+            return value
+    return None
+
+
+class _FlowCollector(Collector):
+    def __init__(self, admission: GatewayAdmission) -> None:
+        self._admission = admission
+
+    def collect(self) -> Iterable[Metric]:
+        controller = self._admission.controller
+        pool_name = self._admission.pool.name
+        size = GaugeMetricFamily(
+            "inference_extension_flow_control_queue_size",
+            "Requests waiting in flow control, by priority band.",
+            labels=["inference_pool", "priority"],
+        )
+        for priority, queued in sorted(controller.queued_by_priority().items()):
+            size.add_metric([pool_name, str(priority)], queued)
+        size_bytes = GaugeMetricFamily(
+            "inference_extension_flow_control_queue_bytes",
+            "Bytes of request bodies waiting in flow control.",
+            labels=["inference_pool"],
+        )
+        size_bytes.add_metric([pool_name], controller.queues.bytes)
+        saturation = GaugeMetricFamily(
+            "inference_extension_flow_control_pool_saturation",
+            "Pool saturation from the saturation detector; 1.0 and above holds requests back.",
+            labels=["inference_pool"],
+        )
+        saturation.add_metric([pool_name], controller.saturation())
+        yield from (size, size_bytes, saturation)
+
+
+class GatewayAdmission:
+    """Admits one request at a time through a `FlowController`; built once per gateway."""
+
+    def __init__(
+        self,
+        controller: FlowController,
+        pool: Pool,
+        priorities: Mapping[str, int] | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.controller = controller
+        self.pool = pool
+        self.priorities = dict(priorities or {})
+        self.queue_duration = Histogram(
+            "inference_extension_flow_control_request_queue_duration_seconds",
+            "Time requests spend in flow control, from arrival to their outcome.",
+            ["priority", "outcome"],
+            buckets=QUEUE_BUCKETS,
+            registry=registry,
+        )
+        self._children: dict[tuple[int, Outcome], Histogram] = {}
+        if registry is not None:
+            registry.register(_FlowCollector(self))
+
+    def _observe(self, priority: int, outcome: Outcome, seconds: float) -> None:
+        key = (priority, outcome)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.queue_duration.labels(str(priority), outcome.value)
+        child.observe(seconds)
+
+    def priority_of(self, headers: Mapping[str, str]) -> int:
+        name = objective_of(headers)
+        return self.priorities.get(name, 0) if name is not None else 0
+
+    async def admit(self, request: LLMRequest, size: int) -> float:
+        """Wait for dispatch; the seconds queued, or a `GatewayError` naming why it was dropped."""
+        priority = self.priority_of(request.headers)
+        request.priority = priority
+        flow = request.fairness_id[:MAX_FLOW_ID]
+        tokens = request.prompt_tokens + (request.max_tokens or 0)
+        started = time.monotonic()
+        try:
+            admission = await self.controller.admit(priority, flow, size, tokens)
+        except Rejected as rejected:
+            waited = time.monotonic() - started
+            self._observe(priority, rejected.outcome, waited)
+            raise _as_error(rejected, waited) from rejected
+        except asyncio.CancelledError:
+            self._observe(priority, Outcome.EVICTED_CONTEXT_CANCELLED, time.monotonic() - started)
+            raise
+        self._observe(priority, Outcome.DISPATCHED, admission.waited_s)
+        return admission.waited_s
+
+    def completed(self) -> None:
+        """A request finished (any outcome after dispatch): capacity may have freed."""
+        self.controller.notify()
+
+    def close(self) -> int:
+        return self.controller.close()
+
+
+def _as_error(rejected: Rejected, waited: float) -> GatewayError:
+    outcome = rejected.outcome
+    error: GatewayError
+    if outcome is Outcome.EVICTED_TTL:
+        error = TtlExpired(rejected.message)
+    elif outcome in (Outcome.REJECTED_CAPACITY, Outcome.REJECTED_SATURATED):
+        error = Saturated(rejected.message)
+    else:
+        error = NoEndpoints(rejected.message)
+    error.extra_headers = {QUEUE_DURATION_HEADER: queue_ms(waited)}
+    return error
+
+
+def queue_ms(seconds: float) -> str:
+    return str(round(seconds * 1000.0))
+
+
+def build_admission(
+    settings: FlowControlSettings,
+    pool: Pool,
+    registry: CollectorRegistry | None,
+    picker_doc: Mapping[str, Any] | str | None = None,
+    plugins: Mapping[str, Plugin] | None = None,
+    ctx: PluginContext | None = None,
+) -> GatewayAdmission:
+    """Flow control over `pool`'s available endpoints, woken whenever the pool's state is written.
+
+    llm-d's sections in the picker document (`featureGates`, `flowControl`,
+    `saturationDetector`) are applied over `settings`; a detector they name by
+    `pluginRef` is the plugin instance the picker config declared.
+    """
+    detector: SaturationDetector | None = None
+    if picker_doc is not None:
+        doc = parse_picker_config(picker_doc)
+        settings, plugin_ref = from_picker_sections(
+            settings, doc.feature_gates, doc.flow_control, doc.saturation_detector
+        )
+        if plugin_ref:
+            detector = resolve_detector(plugin_ref, plugins or {})
+
+    def available(now: float) -> list[EndpointState]:
+        return [s for s in pool if pool.is_available(s, now)]
+
+    controller = FlowController(
+        detector or detector_from_settings(settings, ctx),
+        available,
+        queues_from_settings(settings),
+        enabled=settings.enabled,
+        ttl_s=settings.default_request_ttl_s,
+    )
+    pool.watch_state(lambda _state: controller.notify())
+    return GatewayAdmission(controller, pool, settings.priorities(), registry)

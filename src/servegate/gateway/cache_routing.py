@@ -1,0 +1,75 @@
+"""The gateway's side of cache-aware routing, built once at startup.
+
+Three things the pure scheduler cannot do itself: tokenise a request before
+`schedule()` (the `engine` tokenizer does I/O), run the KV-event subscribers
+that feed the precise prefix indexes, and add the response headers some
+plugins ask for (`x-session-token`). Nothing runs when nothing needs it: no
+tokenizer configured, no precise scorer, no header plugin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+from prometheus_client import CollectorRegistry
+
+from servegate.config import ServegateConfig
+from servegate.datalayer.kvevents import KVEventsCollector, KVEventsManager
+from servegate.pool.endpoint import EndpointState
+from servegate.pool.pool import Pool
+from servegate.scheduling.affinity import ResponseHeaders
+from servegate.scheduling.framework import Decision
+from servegate.scheduling.prefix.precise import kv_events_settings, precise_indexes
+from servegate.scheduling.prefix.tokenize import RoutingTokenizers
+from servegate.scheduling.request import LLMRequest
+from servegate.scheduling.scheduler import Scheduler
+
+
+@dataclass(slots=True)
+class CacheRouting:
+    tokenizers: RoutingTokenizers | None = None
+    kv_events: KVEventsManager | None = None
+    header_plugins: tuple[ResponseHeaders, ...] = field(default_factory=tuple)
+
+    async def prepare(self, request: LLMRequest, candidates: Sequence[EndpointState]) -> None:
+        if self.tokenizers is not None:
+            await self.tokenizers.prepare(request, candidates)
+
+    def headers(self, request: LLMRequest, decision: Decision, out: dict[str, str]) -> None:
+        for plugin in self.header_plugins:
+            out.update(plugin.response_headers(request, decision))
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        if self.tokenizers is not None:
+            self.tokenizers.bind_session(session)
+        if self.kv_events is not None:
+            await self.kv_events.start()
+
+    async def stop(self) -> None:
+        if self.kv_events is not None:
+            await self.kv_events.stop()
+        if self.tokenizers is not None:
+            self.tokenizers.bind_session(None)
+
+
+def build_cache_routing(
+    config: ServegateConfig, pool: Pool, scheduler: Scheduler, registry: CollectorRegistry
+) -> CacheRouting:
+    pool_cfg = config.pool
+    per_model = {m.id: m.tokenizer for m in pool_cfg.models if m.tokenizer is not None}
+    tokenizers = RoutingTokenizers(pool_cfg.tokenizer, per_model)
+    indexes = precise_indexes(scheduler.plugins)
+    manager = None
+    if indexes:
+        manager = KVEventsManager(
+            pool, list(indexes.values()), kv_events_settings(scheduler.plugins, pool_cfg.kv_events)
+        )
+        registry.register(KVEventsCollector(manager.stats, indexes))
+    headers = tuple(p for p in scheduler.plugins.values() if isinstance(p, ResponseHeaders))
+    return CacheRouting(
+        tokenizers=tokenizers if tokenizers.active else None,
+        kv_events=manager,
+        header_plugins=headers,
+    )

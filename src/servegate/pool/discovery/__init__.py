@@ -1,0 +1,60 @@
+"""Discovery: what puts endpoints into the pool and takes them out.
+
+`static` is the config file's `pool.endpoints`, added once by the gateway at
+startup. `kubernetes` follows pods (or an InferencePool) while the gateway runs.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from servegate.pool.discovery.settings import (
+    DiscoverySettings,
+    KubernetesDiscoverySettings,
+    LabelSelector,
+    StaticDiscoverySettings,
+)
+from servegate.pool.pool import Pool
+
+__all__ = [
+    "Discovery",
+    "DiscoverySettings",
+    "KubernetesDiscoverySettings",
+    "LabelSelector",
+    "StaticDiscoverySettings",
+    "start_discovery",
+]
+
+
+class Discovery(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+async def start_discovery(settings: DiscoverySettings, pool: Pool) -> Discovery | None:
+    """The running discovery for `settings`; None for static (nothing to follow).
+
+    Raises `ConfigError` when Kubernetes credentials cannot be loaded: a gateway
+    told to watch a cluster it cannot reach must not start as if it had no pods.
+    An API server that is down or refuses is retried with backoff instead.
+    """
+    if not isinstance(settings, KubernetesDiscoverySettings):
+        return None
+    from servegate.config import ConfigError
+    from servegate.pool.discovery.kubeapi import KubeApiError, connect
+    from servegate.pool.discovery.kubernetes import KubernetesDiscovery
+
+    try:
+        connection = await connect(
+            settings.kubeconfig,
+            settings.context,
+            settings.namespace,
+            request_timeout_s=settings.request_timeout_s,
+            watch_timeout_s=settings.watch_timeout_s,
+        )
+    except KubeApiError as exc:
+        raise ConfigError(f"pool.discovery: {exc}") from exc
+    discovery = KubernetesDiscovery(settings, pool, connection.api, connection.namespace)
+    await discovery.start()
+    return discovery

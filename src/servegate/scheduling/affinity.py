@@ -1,0 +1,421 @@
+"""Affinity plugins and their load guards: prefix affinity, cold-request spreading, sessions.
+
+Cache affinity without a load guard makes hot spots: every request of a popular
+prefix goes to the one replica that holds it until that replica drowns. These
+plugins follow llm-d's definitions:
+
+- `prefix-cache-affinity-filter` keeps only the replicas whose prefix score is
+  at least `affinityThreshold`, unless the best of them would make the request
+  wait `maxTTFTPenaltyMs` longer than the best other replica (TTFT estimated as
+  in-flight tokens / `peakPrefillThroughput`); then it keeps every replica and
+  the load scorers decide;
+- `no-hit-lru-scorer` sends requests that hit no cache anywhere to the replica
+  least recently given such a request, so new prefixes spread evenly;
+- `session-affinity-scorer` pins a session to a replica: with `x-session-token`
+  (the replica echoed back to the client) or `x-session-id` (a binding the
+  router keeps, forgotten after `evictionTtlSeconds` unused).
+
+The prefix plugins read the score of a prefix scorer declared in the same
+config (`prefix-cache-scorer` or `precise-prefix-cache-scorer`), named by
+`prefixMatchInfoProducerName` / `prefixPluginName` or found as the only one.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Literal, Protocol, Self, runtime_checkable
+
+from pydantic import Field, model_validator
+
+from servegate.pool.endpoint import EndpointState
+from servegate.scheduling.framework import CycleState, Decision, Plugin, Scorer
+from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
+from servegate.scheduling.request import LLMRequest
+
+PREFIX_SCORER_TYPES = ("prefix-cache-scorer", "precise-prefix-cache-scorer")
+SESSION_TOKEN_HEADER = "x-session-token"
+SESSION_ID_HEADER = "x-session-id"
+
+
+@runtime_checkable
+class ResponseHeaders(Protocol):
+    """A plugin that adds headers to the response (the gateway asks after the decision)."""
+
+    def response_headers(self, request: LLMRequest, decision: Decision) -> Mapping[str, str]: ...
+
+
+def find_prefix_scorer(
+    owner: str, plugins: Mapping[str, Plugin], name: str | None, parameter: str
+) -> Scorer:
+    """The prefix scorer a plugin reads: the one named, or the only one declared."""
+    if name is not None:
+        plugin = plugins.get(name)
+        if plugin is None:
+            raise ValueError(f"{parameter} {name!r} names no declared plugin")
+        if plugin.type not in PREFIX_SCORER_TYPES or not isinstance(plugin, Scorer):
+            raise ValueError(
+                f"{parameter} {name!r} is a {plugin.type!r}; it must name a "
+                + " or ".join(PREFIX_SCORER_TYPES)
+            )
+        return plugin
+    found = [p for p in plugins.values() if p.type in PREFIX_SCORER_TYPES]
+    if len(found) == 1 and isinstance(found[0], Scorer):
+        return found[0]
+    if not found:
+        raise ValueError(
+            f"{owner} reads a prefix scorer's score; declare a prefix-cache-scorer or "
+            "precise-prefix-cache-scorer plugin"
+        )
+    raise ValueError(
+        f"several prefix scorers are declared ({', '.join(p.name for p in found)}); "
+        f"say which one with `{parameter}`"
+    )
+
+
+def prefix_scores(
+    cycle: CycleState, scorer: Scorer, request: LLMRequest, endpoints: list[EndpointState]
+) -> Sequence[float]:
+    """`scorer`'s scores for `endpoints`, computed once per cycle and shared."""
+    key = f"prefix-scores/{scorer.name}"
+    cached: dict[str, float] | None = cycle.data.get(key)
+    if cached is None:
+        scores = scorer.score(cycle, request, endpoints)
+        cycle.data[key] = dict(zip([s.address for s in endpoints], scores, strict=True))
+        return scores
+    missing = [s for s in endpoints if s.address not in cached]
+    if missing:
+        cached.update(zip([s.address for s in missing], scorer.score(cycle, request, missing)))
+    return [cached[s.address] for s in endpoints]
+
+
+# -- prefix-cache-affinity-filter ----------------------------------------------------------
+
+
+class AffinityFilterParameters(Parameters):
+    affinity_threshold: float = Field(0.80, alias="affinityThreshold", ge=0.0, le=1.0)
+    exploration_probability: float = Field(0.0, alias="explorationProbability", ge=0.0, le=1.0)
+    max_ttft_penalty_ms: float = Field(18000.0, alias="maxTTFTPenaltyMs", ge=0.0)
+    ttft_source: Literal["prefillThroughput"] = Field("prefillThroughput", alias="ttftSource")
+    peak_prefill_throughput: float = Field(15928.0, alias="peakPrefillThroughput", gt=0.0)
+    max_in_flight_requests_delta: int = Field(0, alias="maxInFlightRequestsDelta", ge=0)
+    prefix_match_info_producer_name: str | None = Field(None, alias="prefixMatchInfoProducerName")
+    in_flight_load_producer_name: str | None = Field(None, alias="inFlightLoadProducerName")
+    """Accepted for llm-d compatibility; the pool's in-flight counters are the load."""
+    latency_prediction_info_producer_name: str | None = Field(
+        None, alias="latencyPredictionInfoProducerName"
+    )
+    """Accepted for llm-d compatibility; servegate has no latency predictor."""
+
+    @model_validator(mode="after")
+    def _delta_needs_penalty(self) -> Self:
+        if self.max_in_flight_requests_delta > 0 and self.max_ttft_penalty_ms == 0:
+            raise ValueError("maxTTFTPenaltyMs must be > 0 when maxInFlightRequestsDelta is set")
+        return self
+
+
+class PrefixCacheAffinityFilter:
+    """`prefix-cache-affinity-filter`: sticky replicas only, unless they are too slow."""
+
+    type: ClassVar[str] = "prefix-cache-affinity-filter"
+
+    def __init__(self, name: str, params: AffinityFilterParameters) -> None:
+        self.name = name
+        self.params = params
+        self.prefix: Scorer | None = None
+        self.decisions: dict[str, int] = {}
+        """Outcomes: not-applicable, exploration, no-match, load-override,
+        request-load-override, sticky."""
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        return cls(name, decode_parameters(AffinityFilterParameters, cls.type, name, parameters))
+
+    def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
+        self.prefix = find_prefix_scorer(
+            self.type,
+            plugins,
+            self.params.prefix_match_info_producer_name,
+            "prefixMatchInfoProducerName",
+        )
+
+    def _count(self, outcome: str) -> None:
+        self.decisions[outcome] = self.decisions.get(outcome, 0) + 1
+
+    def _ttft_ms(self, state: EndpointState) -> float:
+        return state.in_flight_tokens / self.params.peak_prefill_throughput * 1000.0
+
+    def filter(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> list[EndpointState]:
+        p = self.params
+        if len(endpoints) <= 1 or p.affinity_threshold <= 0 or self.prefix is None:
+            self._count("not-applicable")
+            return endpoints
+        if p.exploration_probability > 0 and cycle.rng.random() < p.exploration_probability:
+            self._count("exploration")
+            return endpoints
+        scores = prefix_scores(cycle, self.prefix, request, endpoints)
+        threshold = p.affinity_threshold
+        if not any(score >= threshold for score in scores):
+            self._count("no-match")
+            return endpoints
+        sticky: list[EndpointState] = []
+        others: list[EndpointState] = []
+        for state, score in zip(endpoints, scores, strict=True):
+            (sticky if score >= threshold else others).append(state)
+        if p.max_ttft_penalty_ms > 0 and others:
+            best_sticky = min(self._ttft_ms(s) for s in sticky)
+            best_other = min(self._ttft_ms(s) for s in others)
+            if best_sticky - best_other > p.max_ttft_penalty_ms:
+                self._count("load-override")
+                return endpoints
+        if p.max_in_flight_requests_delta > 0 and others:
+            prompt = request.prompt_tokens
+            score_of = {s.address: x for s, x in zip(endpoints, scores, strict=True)}
+
+            def request_ttft(state: EndpointState) -> float:
+                uncached = (1.0 - min(1.0, score_of[state.address])) * prompt
+                return self._ttft_ms(state) + uncached / p.peak_prefill_throughput * 1000.0
+
+            best = min(request_ttft(s) for s in sticky)
+            within = [s for s in others if request_ttft(s) - best <= p.max_ttft_penalty_ms]
+            if within:
+                least_sticky = min(s.in_flight_requests for s in sticky)
+                least_within = min(s.in_flight_requests for s in within)
+                if least_sticky - least_within > p.max_in_flight_requests_delta:
+                    self._count("request-load-override")
+                    return [*sticky, *within]
+        self._count("sticky")
+        return sticky
+
+
+# -- no-hit-lru-scorer ---------------------------------------------------------------------
+
+
+class NoHitLRUParameters(Parameters):
+    prefix_plugin_name: str | None = Field(None, alias="prefixPluginName")
+    prefill_profile: str = Field("prefill", alias="prefillProfile", min_length=1)
+    lru_size: int = Field(1024, alias="lruSize", ge=1)
+
+
+class NoHitLRUScorer:
+    """`no-hit-lru-scorer`: cold requests to the replica least recently given one.
+
+    A request is cold when the prefix scorer gives every candidate 0. Cold: the
+    candidates never given a cold request first (in candidate order), then the
+    others from least to most recently given one; rank r of n scores
+    `1 − r/(n − 1)`. Not cold: 0.5 for everyone (no preference).
+    """
+
+    type: ClassVar[str] = "no-hit-lru-scorer"
+
+    def __init__(self, name: str, params: NoHitLRUParameters) -> None:
+        self.name = name
+        self.params = params
+        self.prefix: Scorer | None = None
+        self.lru: OrderedDict[str, None] = OrderedDict()
+        self._state_key = f"no-hit-lru/{name}"
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        return cls(name, decode_parameters(NoHitLRUParameters, cls.type, name, parameters))
+
+    def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
+        name = self.params.prefix_plugin_name
+        if name is None and "prefix-cache-scorer" in plugins:
+            name = "prefix-cache-scorer"
+        self.prefix = find_prefix_scorer(self.type, plugins, name, "prefixPluginName")
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> Sequence[float]:
+        n = len(endpoints)
+        cold = self.prefix is None or not any(
+            s > 0.0 for s in prefix_scores(cycle, self.prefix, request, endpoints)
+        )
+        request.cache[self._state_key] = cold
+        if not cold:
+            return [0.5] * n
+        if n == 1:
+            return [1.0]
+        position = {address: i for i, address in enumerate(self.lru)}
+        never = [s for s in endpoints if s.address not in position]
+        used = sorted(
+            (s for s in endpoints if s.address in position), key=lambda s: position[s.address]
+        )
+        ranks = {s.address: i for i, s in enumerate([*never, *used])}
+        return [1.0 - ranks[s.address] / (n - 1) for s in endpoints]
+
+    def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None:
+        if not request.cache.pop(self._state_key, False):
+            return
+        targets = [decision.endpoint.address]
+        prefill = decision.results.get(self.params.prefill_profile)
+        if decision.prefill is not None:
+            targets.append(decision.prefill.address)
+        elif prefill is not None and prefill.ranked:
+            targets.append(prefill.ranked[0].address)
+        for address in targets:
+            self.lru.pop(address, None)
+            self.lru[address] = None
+            while len(self.lru) > self.params.lru_size:
+                self.lru.popitem(last=False)
+
+
+# -- session-affinity-scorer ------------------------------------------------------------------
+
+
+class EncodedEndpointHeaderConfig(Parameters):
+    header_name: str = Field(SESSION_TOKEN_HEADER, alias="headerName", min_length=1)
+
+
+class SessionIDSource(Parameters):
+    header: str = Field(min_length=1)
+
+
+class SessionIDConfig(Parameters):
+    sources: list[SessionIDSource] = Field(
+        default_factory=lambda: [SessionIDSource.model_validate({"header": SESSION_ID_HEADER})],
+        min_length=1,
+    )
+    eviction_ttl_seconds: float = Field(300.0, alias="evictionTtlSeconds", gt=0.0)
+    eviction_sweep_seconds: float = Field(10.0, alias="evictionSweepSeconds", gt=0.0)
+    max_sessions: int = Field(1_000_000, alias="maxSessions", ge=1)
+    """servegate: bindings kept at most (the least recently used are dropped first)."""
+
+
+class SessionAffinityParameters(Parameters):
+    strategy: Literal["encoded_endpoint_header", "session_id"] = "encoded_endpoint_header"
+    encoded_endpoint_header_config: EncodedEndpointHeaderConfig = Field(
+        default_factory=lambda: EncodedEndpointHeaderConfig.model_validate({}),
+        alias="encodedEndpointHeaderConfig",
+    )
+    session_id_config: SessionIDConfig = Field(
+        default_factory=lambda: SessionIDConfig.model_validate({}), alias="sessionIdConfig"
+    )
+    profile_name: str | None = Field(None, alias="profileName")
+
+
+def encode_token(address: str) -> str:
+    return base64.b64encode(address.encode()).decode()
+
+
+def decode_token(token: str) -> str | None:
+    try:
+        return base64.b64decode(token.strip(), validate=True).decode()
+    except (binascii.Error, ValueError):
+        return None
+
+
+class SessionAffinityScorer:
+    """`session-affinity-scorer`: 1.0 for the session's replica, 0 for the others.
+
+    `encoded_endpoint_header` (llm-d's default): the response carries
+    `x-session-token: base64(host:port)` of the chosen replica; a request that
+    sends it back prefers that replica. `session_id`: the router binds the
+    client's `x-session-id` to the replica it routed to; an unused binding is
+    forgotten after `evictionTtlSeconds`. A session whose replica is no longer
+    a candidate expresses no preference and is re-bound where it goes.
+    """
+
+    type: ClassVar[str] = "session-affinity-scorer"
+
+    def __init__(self, name: str, params: SessionAffinityParameters) -> None:
+        self.name = name
+        self.params = params
+        self.token_header = params.encoded_endpoint_header_config.header_name.lower()
+        sid = params.session_id_config
+        self.id_headers = [s.header.lower() for s in sid.sources]
+        self.ttl = sid.eviction_ttl_seconds
+        self.sweep_every = sid.eviction_sweep_seconds
+        self.bindings: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        """Session id → (address, last used), least recently used first."""
+        self._next_sweep = 0.0
+        self._state_key = f"session-affinity/{name}"
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        return cls(name, decode_parameters(SessionAffinityParameters, cls.type, name, parameters))
+
+    def session_id(self, request: LLMRequest) -> str | None:
+        for header in self.id_headers:
+            value = request.headers.get(header, "").strip()
+            if value:
+                return value
+        return None
+
+    def preferred(self, request: LLMRequest, now: float) -> str | None:
+        if self.params.strategy == "encoded_endpoint_header":
+            token = request.headers.get(self.token_header)
+            return None if not token else decode_token(token)
+        sid = self.session_id(request)
+        if sid is None:
+            return None
+        bound = self.bindings.get(sid)
+        if bound is None or now - bound[1] > self.ttl:
+            return None
+        return bound[0]
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> Sequence[float]:
+        target = self.preferred(request, cycle.now)
+        if target is None:
+            return [0.0] * len(endpoints)
+        present = any(s.address == target for s in endpoints)
+        request.cache[self._state_key] = present
+        return [1.0 if s.address == target else 0.0 for s in endpoints]
+
+    def _picked(self, decision: Decision) -> EndpointState | None:
+        name = self.params.profile_name
+        if name is None:
+            return decision.endpoint
+        if name == "prefill" and decision.prefill is not None:
+            return decision.prefill
+        result = decision.results.get(name)
+        return result.ranked[0] if result is not None and result.ranked else None
+
+    def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None:
+        if self.params.strategy != "session_id":
+            return
+        sid = self.session_id(request)
+        picked = self._picked(decision)
+        present = request.cache.pop(self._state_key, None)
+        if sid is None or picked is None:
+            return
+        self._sweep(now)
+        bound = self.bindings.get(sid)
+        keep = (
+            bound is not None
+            and bound[0] != picked.address
+            and present is not False
+            and now - bound[1] <= self.ttl
+        )
+        if keep and bound is not None:
+            self.bindings[sid] = (bound[0], now)
+            self.bindings.move_to_end(sid)
+            return
+        self.bindings[sid] = (picked.address, now)
+        self.bindings.move_to_end(sid)
+        while len(self.bindings) > self.params.session_id_config.max_sessions:
+            self.bindings.popitem(last=False)
+
+    def _sweep(self, now: float) -> None:
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + self.sweep_every
+        bindings = self.bindings
+        while bindings:
+            sid, (_, last) = next(iter(bindings.items()))
+            if now - last <= self.ttl:
+                break
+            del bindings[sid]
+
+    def response_headers(self, request: LLMRequest, decision: Decision) -> Mapping[str, str]:
+        if self.params.strategy != "encoded_endpoint_header":
+            return {}
+        picked = self._picked(decision)
+        return {} if picked is None else {self.token_header: encode_token(picked.address)}

@@ -1,0 +1,398 @@
+"""Token ids for routing: what the engine will compute for a request, before it does.
+
+Precise prefix scoring needs the prompt's token ids exactly as the engine will
+see them. The gateway runs this before the pure `schedule()` call (the `engine`
+source does I/O) and leaves the ids in `request.cache["token_ids"]` and their
+count in `request.prompt_tokens`. Per model, one source:
+
+- `hf`: a HuggingFace tokenizer folder (`tokenizers`), the chat template from
+  `tokenizer_config.json`, `chat_template.jinja` or `chat_template.json`
+  rendered with jinja2 in a sandbox. Like vLLM, a completion prompt gets the
+  tokenizer's special tokens (BOS) and a rendered template does not, unless the
+  request's `add_special_tokens` says otherwise;
+- `engine`: the replica's own `POST /tokenize` (vLLM, the simulator), remembered
+  per request body in a bounded LRU; on failure the `fallback` source answers;
+- `simulator`: servegate's built-in simulator tokenizer (`simulator.tokenizer`);
+- `chars`: no ids; scorers that need them contribute nothing.
+
+`tokenizers` and `jinja2` are imported only when an `hf` source is configured.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+import orjson
+import xxhash
+
+from servegate.config import TokenizerSettings
+from servegate.pool.endpoint import EndpointState
+from servegate.scheduling.request import LLMRequest, RequestKind
+from servegate.simulator import tokenizer as sim_tokenizer
+
+TOKEN_IDS_KEY = "token_ids"
+CHAT_OPTIONS = (
+    "tools",
+    "documents",
+    "chat_template",
+    "chat_template_kwargs",
+    "continue_final_message",
+    "add_special_tokens",
+)
+"""Chat request fields that change the rendered prompt; passed to `/tokenize` as they are."""
+
+
+class TokenizerError(RuntimeError):
+    """A tokenizer cannot be set up; the message says how to fix it."""
+
+
+class LocalTokenizer(Protocol):
+    name: str
+
+    def completion_ids(self, prompt: str, add_special_tokens: bool) -> list[int]: ...
+
+    def chat_ids(
+        self, messages: Sequence[Mapping[str, Any]], body: Mapping[str, Any]
+    ) -> list[int]: ...
+
+
+def _add_special_tokens(body: Mapping[str, Any], default: bool) -> bool:
+    value = body.get("add_special_tokens")
+    return value if isinstance(value, bool) else default
+
+
+def _add_generation_prompt(body: Mapping[str, Any]) -> bool:
+    return body.get("add_generation_prompt", True) is not False
+
+
+def completion_text(body: Mapping[str, Any]) -> str | None:
+    """The one text prompt of a completion body (`"..."` or `["..."]`), else None."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else None
+
+
+class SimulatorTokenizer:
+    """The simulator's built-in tokenizer: its ids are the simulator's ids."""
+
+    name = sim_tokenizer.BuiltinTokenizer.name
+
+    def completion_ids(self, prompt: str, add_special_tokens: bool) -> list[int]:
+        return sim_tokenizer.encode(prompt)
+
+    def chat_ids(self, messages: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) -> list[int]:
+        return sim_tokenizer.encode_chat(messages, _add_generation_prompt(body))
+
+
+def _token_str(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _message_for_template(message: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's "string" content format: text parts joined by newlines."""
+    out = dict(message)
+    content = out.get("content")
+    if isinstance(content, list):
+        out["content"] = sim_tokenizer.message_text(content)
+    return out
+
+
+def _raise_exception(message: str) -> None:
+    raise TokenizerError(f"chat template error: {message}")
+
+
+def _load_template(folder: Path, config: Mapping[str, Any]) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if isinstance(template, str):
+        return template
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    json_file = folder / "chat_template.json"
+    if json_file.is_file():
+        doc = json.loads(json_file.read_text())
+        value = doc.get("chat_template") if isinstance(doc, dict) else None
+        return value if isinstance(value, str) else None
+    return None
+
+
+class HFTokenizer:
+    """A HuggingFace tokenizer folder with its chat template, rendered like vLLM."""
+
+    def __init__(self, folder: str) -> None:
+        path = Path(folder)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise TokenizerError(f"tokenizer path {folder!r}: no tokenizer.json there")
+        try:
+            rust = importlib.import_module("tokenizers")
+        except ImportError as exc:
+            raise TokenizerError(
+                "an `hf` tokenizer needs the `tokenizers` package: pip install tokenizers"
+            ) from exc
+        self.name = str(path)
+        self._tok: Any = rust.Tokenizer.from_file(str(file))
+        config_file = file.parent / "tokenizer_config.json"
+        config: dict[str, Any] = {}
+        if config_file.is_file():
+            config = json.loads(config_file.read_text())
+        self._special = {
+            key: value
+            for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+            if (value := _token_str(config.get(key))) is not None
+        }
+        source = _load_template(file.parent, config)
+        self._template: Any = None
+        if source is not None:
+            try:
+                sandbox = importlib.import_module("jinja2.sandbox")
+                ext = importlib.import_module("jinja2.ext")
+            except ImportError as exc:
+                raise TokenizerError(
+                    f"{folder}: rendering its chat template needs jinja2: pip install jinja2"
+                ) from exc
+            env = sandbox.ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols]
+            )
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
+            self._template = env.from_string(source)
+
+    def completion_ids(self, prompt: str, add_special_tokens: bool) -> list[int]:
+        return list(self._tok.encode(prompt, add_special_tokens=add_special_tokens).ids)
+
+    def render(self, messages: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) -> str:
+        if self._template is None:
+            raise TokenizerError(f"{self.name} has no chat template")
+        kwargs = body.get("chat_template_kwargs")
+        extra = dict(kwargs) if isinstance(kwargs, dict) else {}
+        for key in ("tools", "documents"):
+            if body.get(key) is not None:
+                extra[key] = body[key]
+        return str(
+            self._template.render(
+                messages=[_message_for_template(m) for m in messages],
+                add_generation_prompt=_add_generation_prompt(body),
+                **self._special,
+                **extra,
+            )
+        )
+
+    def chat_ids(self, messages: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) -> list[int]:
+        text = self.render(messages, body)
+        return self.completion_ids(text, _add_special_tokens(body, default=False))
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def local_tokenizer(source: str, path: str | None) -> LocalTokenizer | None:
+    if source == "hf":
+        if path is None:
+            raise TokenizerError("an `hf` tokenizer needs `path`")
+        return HFTokenizer(path)
+    if source == "simulator":
+        return SimulatorTokenizer()
+    return None
+
+
+def local_ids(tok: LocalTokenizer, request: LLMRequest) -> list[int] | None:
+    """The request's ids from a local tokenizer; None when it cannot say exactly."""
+    body = request.body
+    try:
+        if request.kind is RequestKind.CHAT:
+            if request.messages is None or body.get("continue_final_message"):
+                return None
+            if body.get("chat_template") is not None:
+                return None
+            return tok.chat_ids(request.messages, body)
+        if request.kind is RequestKind.COMPLETION:
+            text = completion_text(body)
+            if text is None:
+                return None
+            return tok.completion_ids(text, _add_special_tokens(body, default=True))
+    except (ValueError, TypeError, TokenizerError):
+        return None
+    return None
+
+
+@dataclass(slots=True)
+class TokenizeStats:
+    """Tokenisation for routing, for the gateway's exporter."""
+
+    requests: int = 0
+    """Requests that got token ids."""
+    local_ns: int = 0
+    """Time spent in local (hf / simulator) tokenisation."""
+    engine_calls: int = 0
+    """`/tokenize` calls made."""
+    engine_cache_hits: int = 0
+    """Requests answered from the `/tokenize` cache."""
+    engine_failures: int = 0
+    """`/tokenize` calls that failed or timed out (the fallback answered)."""
+    engine_ns: int = 0
+    """Time spent waiting for `/tokenize`."""
+
+
+class EngineTokenizer:
+    """The replica's own `/tokenize`, cached per body hash, with a local fallback."""
+
+    def __init__(self, settings: TokenizerSettings) -> None:
+        self.settings = settings
+        self.fallback = local_tokenizer(settings.fallback, settings.path)
+        self.cache: OrderedDict[bytes, list[int]] = OrderedDict()
+        self.session: aiohttp.ClientSession | None = None
+
+    @staticmethod
+    def payload(request: LLMRequest) -> dict[str, Any] | None:
+        body = request.body
+        if request.kind is RequestKind.CHAT and request.messages is not None:
+            out: dict[str, Any] = {
+                "model": request.target_model,
+                "messages": request.messages,
+                "add_generation_prompt": _add_generation_prompt(body),
+            }
+            for key in CHAT_OPTIONS:
+                if key in body:
+                    out[key] = body[key]
+            return out
+        if request.kind is RequestKind.COMPLETION:
+            text = completion_text(body)
+            if text is None:
+                return None
+            out = {"model": request.target_model, "prompt": text}
+            if "add_special_tokens" in body:
+                out["add_special_tokens"] = body["add_special_tokens"]
+            return out
+        return None
+
+    async def ids(
+        self, request: LLMRequest, candidates: Sequence[EndpointState], stats: TokenizeStats
+    ) -> list[int] | None:
+        payload = self.payload(request)
+        if payload is None:
+            return None
+        raw = orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)
+        key = xxhash.xxh3_128_digest(raw)
+        cached = self.cache.get(key)
+        if cached is not None:
+            self.cache.move_to_end(key)
+            stats.engine_cache_hits += 1
+            return cached
+        ids = await self._call(raw, candidates, stats)
+        if ids is None:
+            stats.engine_failures += 1
+            return None if self.fallback is None else local_ids(self.fallback, request)
+        if self.settings.cache_size > 0:
+            self.cache[key] = ids
+            if len(self.cache) > self.settings.cache_size:
+                self.cache.popitem(last=False)
+        return ids
+
+    async def _call(
+        self, raw: bytes, candidates: Sequence[EndpointState], stats: TokenizeStats
+    ) -> list[int] | None:
+        if self.session is None or not candidates:
+            return None
+        target = min(candidates, key=lambda s: s.in_flight_requests)
+        stats.engine_calls += 1
+        t0 = time.perf_counter_ns()
+        try:
+            async with self.session.post(
+                target.endpoint.url + "/tokenize",
+                data=raw,
+                headers={"Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=self.settings.timeout_s),
+            ) as resp:
+                if resp.status != 200:
+                    return None
+                doc = orjson.loads(await resp.read())
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
+            return None
+        finally:
+            stats.engine_ns += time.perf_counter_ns() - t0
+        tokens = doc.get("tokens") if isinstance(doc, dict) else None
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
+        ):
+            return None
+        return tokens
+
+
+class RoutingTokenizers:
+    """Per model (or its base model), the source of token ids; built once at startup."""
+
+    def __init__(
+        self,
+        default: TokenizerSettings | None = None,
+        per_model: Mapping[str, TokenizerSettings] | None = None,
+    ) -> None:
+        self.stats = TokenizeStats()
+        self._built: dict[int, LocalTokenizer | EngineTokenizer | None] = {}
+        self._default = self._build(default)
+        self._models = {m: self._build(s) for m, s in (per_model or {}).items()}
+
+    def _build(self, settings: TokenizerSettings | None) -> LocalTokenizer | EngineTokenizer | None:
+        if settings is None:
+            return None
+        key = id(settings)
+        if key not in self._built:
+            if settings.source == "engine":
+                self._built[key] = EngineTokenizer(settings)
+            else:
+                self._built[key] = local_tokenizer(settings.source, settings.path)
+        return self._built[key]
+
+    @property
+    def active(self) -> bool:
+        return self._default is not None or any(t is not None for t in self._models.values())
+
+    def bind_session(self, session: aiohttp.ClientSession | None) -> None:
+        for tok in (self._default, *self._models.values()):
+            if isinstance(tok, EngineTokenizer):
+                tok.session = session
+
+    def for_request(self, request: LLMRequest) -> LocalTokenizer | EngineTokenizer | None:
+        models = self._models
+        if models:
+            for name in (request.target_model, request.base_model, request.model):
+                if name in models:
+                    return models[name]
+        return self._default
+
+    async def prepare(self, request: LLMRequest, candidates: Sequence[EndpointState]) -> None:
+        """Put the request's token ids in `request.cache` (when a source can say them)."""
+        if TOKEN_IDS_KEY in request.cache:
+            return
+        tok = self.for_request(request)
+        if tok is None:
+            return
+        stats = self.stats
+        if isinstance(tok, EngineTokenizer):
+            ids = await tok.ids(request, candidates, stats)
+        else:
+            t0 = time.perf_counter_ns()
+            ids = local_ids(tok, request)
+            stats.local_ns += time.perf_counter_ns() - t0
+        if ids is not None:
+            request.cache[TOKEN_IDS_KEY] = ids
+            request.prompt_tokens = len(ids)
+            stats.requests += 1
