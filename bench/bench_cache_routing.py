@@ -83,7 +83,6 @@ CANDIDATE_A = [("precise-prefix-cache-scorer", 3), ("prefix-cache-scorer", 2), *
 CANDIDATE_E = [("precise-prefix-cache-scorer", 1), ("prefix-cache-scorer", 1), *LOAD]
 CANDIDATE_H = [("precise-prefix-cache-scorer", 2), ("prefix-cache-scorer", 2), *LOAD]
 CANDIDATE_I = [("precise-prefix-cache-scorer", 2), ("prefix-cache-scorer", 1), *LOAD]
-CANDIDATE_J = [("precise-prefix-cache-scorer", 1), ("prefix-cache-scorer", 3), *LOAD]
 CANDIDATE_B = [*CANDIDATE_A, ("no-hit-lru-scorer", 1)]
 GUARD = {
     "type": "prefix-cache-affinity-filter",
@@ -162,8 +161,6 @@ PROFILES = {
         Profile("candidate-h", picker(CANDIDATE_H), tokenizer=True, kv_events=True),
         Profile("candidate-i-bare", picker(CANDIDATE_I)),
         Profile("candidate-i", picker(CANDIDATE_I), tokenizer=True, kv_events=True),
-        Profile("candidate-j-bare", picker(CANDIDATE_J)),
-        Profile("candidate-j", picker(CANDIDATE_J), tokenizer=True, kv_events=True),
         Profile("default-bare", None),
         Profile("default", None, tokenizer=True, kv_events=True),
     ]
@@ -408,7 +405,18 @@ def print_table(title: str, results: list[Result], oracle: Result | None, hot: b
 async def scenario(args: argparse.Namespace, hot: bool) -> None:
     names = args.profiles.split(",") if args.profiles else None
     if hot:
-        names = names or ["prefix-only", "exact", "default"]
+        names = names or [
+            "load-only",
+            "prefix-only",
+            "exact",
+            "exact+approx",
+            "exact-affinity",
+            "candidate-e",
+            "candidate-g",
+            "candidate-h",
+            "default-bare",
+            "default",
+        ]
         workload = make_workload(
             args.groups, args.prefix_words, args.hot_requests, args.hot_share, args.seed
         )
@@ -419,8 +427,12 @@ async def scenario(args: argparse.Namespace, hot: bool) -> None:
             "approx-chars",
             "approx-tokens",
             "exact",
+            "exact-speculative",
             "exact+approx",
             "exact-affinity",
+            "candidate-e",
+            "candidate-g",
+            "candidate-h",
             "default-bare",
             "default",
         ]
@@ -478,10 +490,14 @@ async def micro(args: argparse.Namespace) -> None:
         )
 
     sim_tok = RoutingTokenizers(TokenizerSettings(source="simulator"))
-    us = per_call_us(lambda: asyncio.run(sim_tok.prepare(chat_request(), [])), 20)
+    prepared = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        await sim_tok.prepare(chat_request(), [])
+        prepared.append((time.perf_counter() - t0) * 1e6)
     sim_only = per_call_us(lambda: sim_tokenizer.encode_chat(messages), 50)
     print(f"| simulator tokenizer, chat → ids | {sim_only:.0f} µs |")
-    print(f"| the same through RoutingTokenizers.prepare (incl. asyncio.run) | {us:.0f} µs |")
+    print(f"| the same through RoutingTokenizers.prepare | {statistics.median(prepared):.0f} µs |")
     if args.hf:
         hf = HFTokenizer(args.hf)
         print(

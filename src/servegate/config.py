@@ -223,6 +223,19 @@ class ExtProcSettings(_Strict):
     """On SIGTERM: report NOT_SERVING, then let open streams finish for up to this long."""
 
 
+class DisaggregationSettings(_Strict):
+    """How a prefill/decode decision is carried out (docs/disaggregation.md)."""
+
+    mode: Literal["auto", "sidecar", "gateway"] = "auto"
+    """`sidecar`: send to the decode replica with `x-prefiller-host-port` (llm-d's routing
+    sidecar runs the prefill leg); `gateway`: the gateway runs both legs (vLLM's NIXL
+    connector); `auto`: sidecar when the picker config declares llm-d's
+    `disagg-headers-handler`/`prefill-header-handler`, else gateway."""
+    prefill_timeout_s: PositiveFloat | None = None
+    """Gateway mode: the longest wait for the prefill leg's answer before falling back to
+    decode-only; None = `gateway.first_byte_timeout_s`."""
+
+
 class ServegateConfig(_Strict):
     gateway: GatewaySettings = GatewaySettings()
     pool: PoolSettings = PoolSettings()
@@ -230,6 +243,7 @@ class ServegateConfig(_Strict):
     retries: RetrySettings = RetrySettings()
     outlier_detection: OutlierDetectionSettings = OutlierDetectionSettings()
     extproc: ExtProcSettings = ExtProcSettings()
+    disaggregation: DisaggregationSettings = DisaggregationSettings()
     picker: dict[str, Any] | str | None = None
     """An EndpointPickerConfig document, inline or a path to one; None = the default profile."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -3,7 +3,7 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from servegate.gateway.admission import QUEUE_DURATION_HEADER, build_admission
+from servegate.gateway.admission import QUEUE_DURATION_HEADER, GatewayAdmission, build_admission
 from servegate.gateway.errors import DROPPED_REASON_HEADER, GatewayError
 from servegate.pool.pool import Pool
 from servegate.scheduling.flowcontrol import FlowControlSettings
@@ -23,7 +23,7 @@ SETTINGS = FlowControlSettings.model_validate(
 )
 
 
-def setup(in_flight: int) -> tuple[Pool, object, CollectorRegistry]:
+def setup(in_flight: int) -> tuple[Pool, GatewayAdmission, CollectorRegistry]:
     pool = Pool()
     state = pool.add(endpoint_state("a:1").endpoint)
     pool.set_health(state.address, True)
@@ -47,7 +47,7 @@ def request(headers: dict[str, str]) -> LLMRequest:
 )
 def test_priority_from_objective(headers: dict[str, str], priority: int) -> None:
     _, admission, _ = setup(0)
-    assert admission.priority_of(headers) == priority  # type: ignore[attr-defined]
+    assert admission.priority_of(headers) == priority
 
 
 @pytest.mark.parametrize(
@@ -60,7 +60,7 @@ def test_priority_from_objective(headers: dict[str, str], priority: int) -> None
 async def test_drops_become_errors_with_headers(objective: str, status: int, reason: str) -> None:
     _, admission, registry = setup(1)
     with pytest.raises(GatewayError) as info:
-        await admission.admit(request({"x-llm-d-inference-objective": objective}), 10)  # type: ignore[attr-defined]
+        await admission.admit(request({"x-llm-d-inference-objective": objective}), 10)
     err = info.value
     assert (err.status, err.headers[DROPPED_REASON_HEADER]) == (status, reason)
     assert QUEUE_DURATION_HEADER in err.extra_headers
@@ -70,7 +70,7 @@ async def test_drops_become_errors_with_headers(objective: str, status: int, rea
 
 async def test_dispatch_on_completion_and_metrics() -> None:
     pool, admission, registry = setup(1)
-    task = asyncio.create_task(admission.admit(request({}), 10))  # type: ignore[attr-defined]
+    task = asyncio.create_task(admission.admit(request({}), 10))
     await asyncio.sleep(0)
     text = generate_latest(registry).decode()
     assert (
@@ -81,7 +81,7 @@ async def test_dispatch_on_completion_and_metrics() -> None:
     state = pool.get("a:1")
     assert state is not None
     state.in_flight_requests = 0
-    admission.completed()  # type: ignore[attr-defined]
+    admission.completed()
     assert await task >= 0.0
     text = generate_latest(registry).decode()
     assert 'outcome="Dispatched",priority="0"' in text
@@ -89,7 +89,7 @@ async def test_dispatch_on_completion_and_metrics() -> None:
 
 async def test_scrape_wakes_the_queue() -> None:
     pool, admission, _ = setup(1)
-    task = asyncio.create_task(admission.admit(request({}), 10))  # type: ignore[attr-defined]
+    task = asyncio.create_task(admission.admit(request({}), 10))
     await asyncio.sleep(0)
     state = pool.get("a:1")
     assert state is not None

@@ -213,7 +213,8 @@ async def test_a_failing_api_is_retried(api: FakeKubeApi, tmp_path: Path) -> Non
     discovery = await start_discovery(settings(api.write_kubeconfig(tmp_path / "kc")), pool)
     assert isinstance(discovery, KubernetesDiscovery)
     try:
-        await follows(lambda: len(pool) == 1, "list after two failures")
+        assert await discovery.wait_synced(1.0)
+        assert len(pool) == 1
         assert discovery.stats.errors == 2
     finally:
         await discovery.stop()

@@ -1,6 +1,7 @@
 import pytest
 
 from servegate.config import ConfigError, parse_config
+from servegate.scheduling.config import PickerConfigError, load_picker_config
 from servegate.scheduling.flowcontrol import (
     FlowControlSectionError,
     FlowControlSettings,
@@ -9,6 +10,7 @@ from servegate.scheduling.flowcontrol import (
 )
 from servegate.scheduling.flowcontrol.queues import BandLimits
 from servegate.scheduling.flowcontrol.units import parse_duration, parse_quantity
+from servegate.scheduling.registry import PluginContext
 
 
 @pytest.mark.parametrize(
@@ -135,3 +137,18 @@ def test_servegate_section_in_the_config_file() -> None:
     assert cfg.flow_control.bands() == {10: BandLimits(7, 1_000_000_000)}
     with pytest.raises(ConfigError, match=r"flow_control\.max_requets"):
         parse_config("flow_control: {max_requets: 3}\n", environ={})
+
+
+def test_picker_config_checks_the_detector_reference_at_load() -> None:
+    doc = {
+        "apiVersion": "llm-d.ai/v1alpha1",
+        "kind": "EndpointPickerConfig",
+        "featureGates": ["flowControl"],
+        "plugins": [{"type": "queue-scorer"}, {"name": "gate", "type": "queue-scorer"}],
+        "flowControl": {"saturationDetector": {"pluginRef": "missing"}},
+    }
+    with pytest.raises(PickerConfigError, match="pluginRef 'missing' names no plugin"):
+        load_picker_config(doc, PluginContext())
+    doc["flowControl"] = {"saturationDetector": {"pluginRef": "gate"}}
+    with pytest.raises(PickerConfigError, match="not a saturation detector"):
+        load_picker_config(doc, PluginContext())

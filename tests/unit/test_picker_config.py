@@ -241,9 +241,9 @@ ERRORS = [
         id="known-unimplemented-session",
     ),
     pytest.param(
-        HEAD + "plugins:\n- type: disagg-profile-handler\n",
-        ["'disagg-profile-handler' is a known llm-d plugin", "disaggregation is planned"],
-        id="known-unimplemented-handler",
+        HEAD + "plugins:\n- type: precise-prefix-based-pd-decider\n",
+        ["'precise-prefix-based-pd-decider' is a known llm-d plugin", "tier-weighted match"],
+        id="known-unimplemented-decider",
     ),
     pytest.param(
         HEAD + "plugins:\n- type: queue-scorer\n- type: queue-scorer\n",

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from pydantic import Field
 
+from servegate.scheduling.disagg import DisaggHeadersHandler, PDDecider
 from servegate.scheduling.framework import Filter, Picker, Plugin, ProfileHandler, Scorer
 from servegate.scheduling.registry import (
     Parameters,
@@ -42,10 +43,18 @@ BUILTIN_TYPES = {
     "weighted-random-picker": Picker,
     "round-robin-picker": Picker,
     "single-profile-handler": ProfileHandler,
+    "disagg-profile-handler": ProfileHandler,
+    "pd-profile-handler": ProfileHandler,
+    "data-parallel-profile-handler": ProfileHandler,
+    "prefix-based-pd-decider": PDDecider,
+    "always-disagg-pd-decider": PDDecider,
+    "disagg-headers-handler": DisaggHeadersHandler,
+    "prefill-header-handler": DisaggHeadersHandler,
 }
 ALIASES = {
     "kv-cache-scorer": "kv-cache-utilization-scorer",
     "by-label-selector": "label-selector-filter",
+    "prefill-header-handler": "disagg-headers-handler",
 }
 
 

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import hmac
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
 
 from servegate.gateway.errors import Forbidden, GatewayError, NotFound, Unauthorized, render
+
+if TYPE_CHECKING:
+    from servegate.gateway.app import Gateway
 
 ADMIN_PREFIX = "/admin/"
 
@@ -34,11 +38,11 @@ def check_admin_key(keys: tuple[str, ...], header: str) -> None:
         raise Unauthorized("invalid or missing admin key; send 'Authorization: Bearer <admin key>'")
 
 
-def pool_state(gw: Any, now: float | None = None) -> dict[str, Any]:
+def pool_state(gw: Gateway, now: float | None = None) -> dict[str, Any]:
     """What an operator needs to see: every endpoint's live state, passive health, flow control."""
     t = time.monotonic() if now is None else now
     pool = gw.pool
-    outlier = getattr(gw, "outlier", None)
+    outlier = gw.outlier
     endpoints = []
     for s in pool:
         m = s.metrics
@@ -78,7 +82,7 @@ def pool_state(gw: Any, now: float | None = None) -> dict[str, Any]:
         "ready_endpoints": pool.ready_count(t),
         "endpoints": endpoints,
     }
-    admission = getattr(gw, "admission", None)
+    admission = gw.admission
     if admission is not None:
         controller = admission.controller
         out["flow_control"] = {
@@ -99,8 +103,11 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
 
-def add_admin_routes(app: web.Application, gateway_key: web.AppKey[Any]) -> None:
-    def _gw(request: web.Request) -> Any:
+Handler = Callable[[web.Request], Awaitable[web.Response]]
+
+
+def add_admin_routes(app: web.Application, gateway_key: web.AppKey[Gateway]) -> None:
+    def _gw(request: web.Request) -> Gateway:
         gw = request.app[gateway_key]
         check_admin_key(gw.config.gateway.admin_keys, request.headers.get("Authorization", ""))
         return gw
@@ -111,7 +118,7 @@ def add_admin_routes(app: web.Application, gateway_key: web.AppKey[Any]) -> None
         except GatewayError as exc:
             return render(exc)
 
-    def _set_draining(draining: bool) -> Any:
+    def _set_draining(draining: bool) -> Handler:
         async def handler(request: web.Request) -> web.Response:
             try:
                 gw = _gw(request)
@@ -120,9 +127,8 @@ def add_admin_routes(app: web.Application, gateway_key: web.AppKey[Any]) -> None
                     raise NotFound(f"no endpoint {address!r} in the pool")
             except GatewayError as exc:
                 return render(exc)
-            admission = getattr(gw, "admission", None)
-            if admission is not None:
-                admission.completed()
+            if gw.admission is not None:
+                gw.admission.completed()
             return _json({"address": address, "draining": draining})
 
         return handler

@@ -31,6 +31,7 @@ from servegate.gateway.admission import (
     queue_ms,
 )
 from servegate.gateway.cache_routing import CacheRouting, build_cache_routing
+from servegate.gateway.disagg import Disaggregator, build_disaggregator
 from servegate.gateway.errors import (
     BadRequest,
     BodyTooLarge,
@@ -81,6 +82,7 @@ class Gateway:
     budget: RetryBudget | None = None
     probes: ProbeServer | None = None
     cache_routing: CacheRouting = field(default_factory=CacheRouting)
+    disagg: Disaggregator | None = None
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
@@ -219,17 +221,17 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         if llm.target_model != llm.model:
             llm.body["model"] = llm.target_model
             body = orjson.dumps(llm.body)
-        response = await gw.proxy.forward(
-            request,
-            decision.targets,
-            request.path,
-            body,
-            upstream_headers,
-            llm.prompt_tokens + (llm.max_tokens or 0),
-            record,
-            started,
-            extra,
-        )
+        tokens = llm.prompt_tokens + (llm.max_tokens or 0)
+        if gw.disagg is not None and gw.disagg.handles(decision):
+            response = await gw.disagg.forward(
+                request, llm, decision, request.path, body, upstream_headers, tokens, record,
+                started, extra,
+            )  # fmt: skip
+        else:
+            response = await gw.proxy.forward(
+                request, decision.targets, request.path, body, upstream_headers, tokens, record,
+                started, extra,
+            )  # fmt: skip
         gw.scheduler.response_complete(llm, decision.endpoint, time.monotonic())
         return response
     except GatewayError as exc:
@@ -361,6 +363,10 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
     gw.session = session
     gw.proxy = Proxy(session, settings, gw.pool, gw.metrics, gw.outlier, gw.budget)
+    gw.disagg = build_disaggregator(
+        settings, gw.config.disaggregation, gw.scheduler.plugins, gw.proxy, session, gw.pool,
+        gw.metrics,
+    )  # fmt: skip
     probes = None
     if settings.probe_port is not None:
         probes = gw.probes = ProbeServer(gw.pool, settings.host, settings.probe_port)

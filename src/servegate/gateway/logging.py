@@ -34,6 +34,14 @@ class AccessRecord:
     retries: int = 0
     stream: bool = False
     error: str | None = None
+    pd_decision: str | None = None
+    """Prefill/decode: `prefill-decode` or `decode-only`; None without a P/D profile handler."""
+    prefill_endpoint: str | None = None
+    prefill_status: int | None = None
+    """Gateway-orchestrated prefill leg: its HTTP status (None: no answer, or sidecar mode)."""
+    prefill_ms: float | None = None
+    prefill_error: str | None = None
+    """Why the prefill leg failed and the decode replica prefilled by itself."""
 
 
 class AccessLog:

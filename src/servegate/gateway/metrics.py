@@ -170,6 +170,18 @@ class GatewayMetrics:
         self.responses = Counter(
             "servegate_http_responses", "Responses sent by status code.", ["code"], registry=r
         )
+        self.disagg_decisions = Counter(
+            "llm_d_inference_scheduler_disagg_decision",
+            "Prefill/decode decisions by type (decode-only, prefill-decode), as llm-d counts them.",
+            ["model_name", "decision_type"],
+            registry=r,
+        )
+        self.disagg_fallbacks = Counter(
+            "servegate_disagg_prefill_fallbacks",
+            "Gateway-orchestrated prefill legs that failed, so the decode replica prefilled itself.",
+            ["reason"],
+            registry=r,
+        )
         r.register(_PoolCollector(pools))
         self._objective_children: dict[tuple[str, str], ObjectiveSeries] = {}
         self._response_children: dict[int, Counter] = {}

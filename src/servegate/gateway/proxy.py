@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +62,8 @@ ROUTING_HEADERS = frozenset(
     }
 )
 """Headers only the gateway may set: a client must not choose an address itself."""
+Route = Callable[[EndpointState, Mapping[str, str]], tuple[str, Mapping[str, str]]]
+"""Per attempt: the base URL and headers for one target (data-parallel ranks behind a sidecar)."""
 RESPONSE_DROP = HOP_BY_HOP | {"date", "server"}
 RETRY_STATUSES = frozenset({502, 503})
 USAGE_MARK = b'"usage"'
@@ -148,9 +150,14 @@ class Proxy:
         )
 
     async def _open(
-        self, state: EndpointState, path: str, headers: Mapping[str, str], body: bytes
+        self,
+        state: EndpointState,
+        path: str,
+        headers: Mapping[str, str],
+        body: bytes,
+        base_url: str | None = None,
     ) -> aiohttp.ClientResponse:
-        url = state.endpoint.url + path
+        url = (base_url or state.endpoint.url) + path
         try:
             async with asyncio.timeout(self._settings.first_byte_timeout_s):
                 return await self._session.post(
@@ -191,6 +198,7 @@ class Proxy:
         record: AccessRecord,
         started: float,
         extra_response_headers: Mapping[str, str],
+        route: Route | None = None,
     ) -> web.StreamResponse:
         last_error: GatewayError = UpstreamFailed("no endpoint could be tried")
         attempts = targets[: self._settings.max_retries + 1]
@@ -205,7 +213,11 @@ class Proxy:
             self._pool.acquire(state, tokens)
             try:
                 try:
-                    upstream = await self._open(state, path, headers, body)
+                    if route is None:
+                        upstream = await self._open(state, path, headers, body)
+                    else:
+                        base_url, routed = route(state, headers)
+                        upstream = await self._open(state, path, routed, body, base_url)
                 except GatewayError as exc:
                     last_error = exc
                     if not is_last:

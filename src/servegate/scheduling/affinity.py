@@ -87,7 +87,8 @@ def prefix_scores(
         return scores
     missing = [s for s in endpoints if s.address not in cached]
     if missing:
-        cached.update(zip([s.address for s in missing], scorer.score(cycle, request, missing)))
+        fresh = scorer.score(cycle, request, missing)
+        cached.update(zip([s.address for s in missing], fresh, strict=True))
     return [cached[s.address] for s in endpoints]
 
 

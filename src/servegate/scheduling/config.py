@@ -82,14 +82,10 @@ KNOWN_UNIMPLEMENTED: dict[str, str] = {
     "latency-scorer": "",
     "context-length-aware": "",
     "by-label": "label-selector-filter with a matchExpressions `In` requirement does the same",
-    "disagg-profile-handler": "prefill/decode disaggregation is planned",
-    "pd-profile-handler": "prefill/decode disaggregation is planned",
-    "data-parallel-profile-handler": "",
-    "prefix-based-pd-decider": "prefill/decode disaggregation is planned",
-    "always-disagg-pd-decider": "prefill/decode disaggregation is planned",
-    "disagg-headers-handler": "",
-    "prefill-header-handler": "",
     "approx-prefix-cache-producer": "",
+    "precise-prefix-based-pd-decider": (
+        "prefix-based-pd-decider reads precise-prefix-cache-scorer's tier-weighted match"
+    ),
     "inflight-load-producer": (
         "servegate's pool counts in-flight requests and tokens itself; remove this plugin"
     ),
@@ -389,8 +385,8 @@ def load_picker_config(
             raise PickerConfigError(
                 f"schedulingProfiles: {len(profiles)} profiles ({', '.join(profiles)}) but no "
                 "profile handler that runs several; the default single-profile-handler runs "
-                "exactly one. Keep one profile (llm-d's disagg-profile-handler is not "
-                "implemented in servegate yet)"
+                "exactly one. Keep one profile, or declare disagg-profile-handler for "
+                "prefill/decode profiles"
             )
         while handler.name in plugins:
             handler = SingleProfileHandler(f"default-{handler.name}")

@@ -105,6 +105,9 @@ class Decision:
     results: dict[str, ProfileResult] = field(default_factory=dict)
     pd_decision: str | None = None
     """For P/D: which way the decider went (`prefill-decode`, `decode-only`)."""
+    primary_port: int | None = None
+    """Data parallelism behind a sidecar: send to this port on the chosen endpoint's host,
+    naming the chosen rank (`ip:port`) in `x-data-parallel-host-port`."""
 
     @property
     def targets(self) -> list[EndpointState]:

@@ -116,7 +116,7 @@ def decode_parameters(
 
 def builtin_registry() -> dict[str, PluginFactory]:
     """Every built-in plugin type string and its factory, in one explicit list."""
-    from servegate.scheduling import affinity, filters, pickers, profiles, scorers
+    from servegate.scheduling import affinity, disagg, filters, pickers, profiles, scorers
     from servegate.scheduling.flowcontrol import saturation
     from servegate.scheduling.prefix import approx, precise
 
@@ -151,5 +151,13 @@ def builtin_registry() -> dict[str, PluginFactory]:
         pickers.RoundRobinPicker.type: pickers.RoundRobinPicker.from_config,
         # profile handlers
         profiles.SingleProfileHandler.type: profiles.SingleProfileHandler.from_config,
+        disagg.DisaggProfileHandler.type: disagg.DisaggProfileHandler.from_config,
+        disagg.PdProfileHandler.type: disagg.PdProfileHandler.from_config,
+        disagg.DataParallelProfileHandler.type: disagg.DataParallelProfileHandler.from_config,
+        # prefill/decode deciders and llm-d's sidecar-header plugins
+        disagg.PrefixBasedPDDecider.type: disagg.PrefixBasedPDDecider.from_config,
+        disagg.AlwaysDisaggPDDecider.type: disagg.AlwaysDisaggPDDecider.from_config,
+        disagg.DisaggHeadersHandler.type: disagg.DisaggHeadersHandler.from_config,
+        disagg.LEGACY_HEADERS_HANDLER_TYPE: disagg.DisaggHeadersHandler.from_config,
     }
     return registry

@@ -1,0 +1,263 @@
+"""Carrying out a prefill/decode decision: the sidecar header, or both legs run by the gateway.
+
+The scheduler (`scheduling/disagg.py`) picks a decode endpoint and, when the
+decider wants one, a prefill endpoint. Two ways to use them (PROTOCOLS.md §6):
+
+- **sidecar** (llm-d): the request goes to the decode endpoint unchanged, with
+  `x-prefiller-host-port: ip:port`; the decode pod's routing sidecar runs the
+  prefill leg. Nothing else differs from a plain request.
+- **gateway** (vLLM's NIXL connector, no sidecar): the gateway first sends the
+  request to the prefill endpoint with `kv_transfer_params` asking for a remote
+  decode, `stream: false` and one output token; the prefill replica answers with
+  the parameters that locate its KV blocks; the original request plus those
+  parameters then goes to the decode endpoint, whose answer is relayed (with the
+  proxy's retries and streaming). A prefill leg that fails in any way (no
+  connection, timeout, an error status, no `kv_transfer_params`) is counted and
+  the original request goes to the decode endpoint alone, which then prefills
+  itself: the client never sees the failure.
+
+Data parallelism behind a sidecar (`Decision.primary_port`): each attempt goes to
+the target's host on the primary port, naming the rank in `x-data-parallel-host-port`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from servegate.config import DisaggregationSettings, GatewaySettings
+from servegate.gateway.logging import AccessRecord
+from servegate.gateway.metrics import GatewayMetrics
+from servegate.gateway.proxy import Proxy, Route
+from servegate.pool.endpoint import EndpointState
+from servegate.pool.pool import Pool
+from servegate.scheduling.disagg import (
+    DATA_PARALLEL_HEADER,
+    PREFILLER_HEADER,
+    DisaggHeadersHandler,
+)
+from servegate.scheduling.framework import Decision, Plugin
+from servegate.scheduling.request import LLMRequest
+
+Mode = Literal["sidecar", "gateway"]
+
+REMOTE_DECODE_PARAMS: Mapping[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+"""The prefill leg's `kv_transfer_params` (vLLM's NIXL connector)."""
+ONE_TOKEN_FIELDS = ("max_completion_tokens", "min_tokens")
+"""Set to 1 on the prefill leg when present; `max_tokens` is always set to 1."""
+
+
+def resolve_mode(settings: DisaggregationSettings, plugins: Mapping[str, Plugin]) -> Mode:
+    """`auto` → sidecar when llm-d's header plugin is declared, else gateway."""
+    if settings.mode == "sidecar":
+        return "sidecar"
+    if settings.mode == "gateway":
+        return "gateway"
+    if any(isinstance(p, DisaggHeadersHandler) for p in plugins.values()):
+        return "sidecar"
+    return "gateway"
+
+
+def prefill_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The prefill leg's body: the request asking for a remote decode, one token, not streamed."""
+    out = dict(body)
+    out["kv_transfer_params"] = dict(REMOTE_DECODE_PARAMS)
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out["max_tokens"] = 1
+    for key in ONE_TOKEN_FIELDS:
+        if key in out:
+            out[key] = 1
+    return out
+
+
+def decode_request(body: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+    """The decode leg's body: the original request plus the prefill leg's `kv_transfer_params`."""
+    return {**body, "kv_transfer_params": dict(params)}
+
+
+def data_parallel_route(primary_port: int) -> Route:
+    """Send each attempt to its rank's host on `primary_port`, naming the rank in a header."""
+
+    def route(state: EndpointState, headers: Mapping[str, str]) -> tuple[str, Mapping[str, str]]:
+        parts = urlsplit(state.endpoint.url)
+        host = parts.hostname or state.endpoint.host
+        if ":" in host:
+            host = f"[{host}]"
+        base = f"{parts.scheme}://{host}:{primary_port}{parts.path}"
+        return base, {**headers, DATA_PARALLEL_HEADER: state.address}
+
+    return route
+
+
+def sidecar_headers(decision: Decision) -> dict[str, str]:
+    """The headers llm-d's sidecar protocol adds for `decision` (for any data plane)."""
+    out: dict[str, str] = {}
+    if decision.prefill is not None:
+        out[PREFILLER_HEADER] = decision.prefill.address
+    if decision.primary_port is not None:
+        out[DATA_PARALLEL_HEADER] = decision.endpoint.address
+    return out
+
+
+class PrefillFailed(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+class Disaggregator:
+    """Runs decisions of a P/D or data-parallel profile handler on top of the `Proxy`."""
+
+    def __init__(
+        self,
+        mode: Mode,
+        proxy: Proxy,
+        session: aiohttp.ClientSession,
+        pool: Pool,
+        metrics: GatewayMetrics,
+        gateway: GatewaySettings,
+        settings: DisaggregationSettings,
+    ) -> None:
+        self.mode: Mode = mode
+        self._proxy = proxy
+        self._session = session
+        self._pool = pool
+        self._metrics = metrics
+        self._timeout_s = settings.prefill_timeout_s or gateway.first_byte_timeout_s
+        self._client_timeout = aiohttp.ClientTimeout(sock_connect=gateway.connect_timeout_s)
+
+    @staticmethod
+    def handles(decision: Decision) -> bool:
+        return decision.pd_decision is not None or decision.primary_port is not None
+
+    async def forward(
+        self,
+        http_request: web.Request,
+        llm: LLMRequest,
+        decision: Decision,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        tokens: int,
+        record: AccessRecord,
+        started: float,
+        extra_response_headers: Mapping[str, str],
+    ) -> web.StreamResponse:
+        if decision.pd_decision is not None:
+            record.pd_decision = decision.pd_decision
+            self._metrics.disagg_decisions.labels(llm.target_model, decision.pd_decision).inc()
+        prefill = decision.prefill
+        if prefill is not None:
+            record.prefill_endpoint = prefill.address
+            if self.mode == "sidecar":
+                headers = {**headers, PREFILLER_HEADER: prefill.address}
+            else:
+                try:
+                    params = await self._prefill(prefill, path, llm, headers, record)
+                except PrefillFailed as exc:
+                    record.prefill_error = str(exc)
+                    self._metrics.disagg_fallbacks.labels(exc.reason).inc()
+                else:
+                    body = orjson.dumps(decode_request(llm.body, params))
+        route = (
+            None if decision.primary_port is None else data_parallel_route(decision.primary_port)
+        )
+        return await self._proxy.forward(
+            http_request,
+            decision.targets,
+            path,
+            body,
+            headers,
+            tokens,
+            record,
+            started,
+            extra_response_headers,
+            route,
+        )
+
+    async def _prefill(
+        self,
+        state: EndpointState,
+        path: str,
+        llm: LLMRequest,
+        headers: Mapping[str, str],
+        record: AccessRecord,
+    ) -> dict[str, Any]:
+        body = orjson.dumps(prefill_request(llm.body))
+        tokens = llm.prompt_tokens + 1
+        self._pool.acquire(state, tokens)
+        t0 = time.monotonic()
+        try:
+            async with (
+                asyncio.timeout(self._timeout_s),
+                self._session.post(
+                    state.endpoint.url + path,
+                    data=body,
+                    headers=headers,
+                    timeout=self._client_timeout,
+                ) as response,
+            ):
+                record.prefill_status = response.status
+                data = await response.read()
+        except TimeoutError as exc:
+            self._failed(state, "timeout")
+            raise PrefillFailed(
+                "timeout", f"prefill {state.address}: no answer in {self._timeout_s:g} s"
+            ) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            self._failed(state, "connect")
+            raise PrefillFailed("connect", f"prefill {state.address} failed: {exc!r}") from exc
+        finally:
+            self._pool.release(state, tokens)
+            record.prefill_ms = (time.monotonic() - t0) * 1000.0
+        status = response.status
+        if status >= 500:
+            self._failed(state, str(status))
+        elif self._proxy.outlier is not None:
+            self._proxy.outlier.success(state)
+        if status != 200:
+            raise PrefillFailed("status", f"prefill {state.address} answered {status}")
+        try:
+            answer = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise PrefillFailed("bad-response", f"prefill {state.address}: not JSON") from exc
+        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if not isinstance(params, dict):
+            raise PrefillFailed(
+                "bad-response", f"prefill {state.address}: no kv_transfer_params in its answer"
+            )
+        return params
+
+    def _failed(self, state: EndpointState, kind: str) -> None:
+        self._metrics.upstream_errors.labels(state.address, kind).inc()
+        if self._proxy.outlier is not None:
+            self._proxy.outlier.failure(state, kind)
+
+
+def build_disaggregator(
+    gateway: GatewaySettings,
+    settings: DisaggregationSettings,
+    plugins: Mapping[str, Plugin],
+    proxy: Proxy,
+    session: aiohttp.ClientSession,
+    pool: Pool,
+    metrics: GatewayMetrics,
+) -> Disaggregator:
+    return Disaggregator(
+        resolve_mode(settings, plugins), proxy, session, pool, metrics, gateway, settings
+    )

@@ -1,0 +1,574 @@
+"""Prefill/decode disaggregation and data-parallel routing: profile handlers and deciders.
+
+Disaggregation runs two scheduling profiles, each with its own filters and
+scorers: `decode` first, then, if a *decider* says the prompt's uncached part is
+worth a separate prefill, `prefill`. The decision carries the decode endpoint
+(with its fallbacks) and the prefill endpoint; the data plane then either names
+the prefill endpoint to the decode replica's sidecar (`x-prefiller-host-port`)
+or runs the two legs itself (`gateway/disagg.py`).
+
+Type strings and parameters are llm-d's, in every spelling llm-d has shipped:
+
+- `disagg-profile-handler`: `profiles.{decode,prefill}` and `deciders.prefill`
+  (current), or the flat `decodeProfile`, `prefillProfile`,
+  `prefillDeciderPluginName` / `deciderPluginName` (deprecated, not mixable with
+  the nested form); `primaryPort` from the versions that had it;
+- `pd-profile-handler` (the older name): `decodeProfile`, `prefillProfile`,
+  `deciderPluginName`, `primaryPort`, or the built-in `threshold` rule
+  (uncached prompt characters) of the versions before deciders existed;
+- `prefix-based-pd-decider` (`nonCachedTokens`) and `always-disagg-pd-decider`;
+- `data-parallel-profile-handler` (`primaryPort`);
+- `disagg-headers-handler` / `prefill-header-handler`: in llm-d they write the
+  sidecar header; here the data plane writes it, and declaring one selects the
+  sidecar protocol when `disaggregation.mode` is `auto`.
+
+`primaryPort` is llm-d's data parallelism behind a sidecar: every rank is its
+own endpoint (`ip:rank_port`); the request goes to `ip:primaryPort`, the
+sidecar, with the chosen rank in `x-data-parallel-host-port`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Protocol, Self, runtime_checkable
+
+from pydantic import Field, model_validator
+
+from servegate.pool.endpoint import EndpointState
+from servegate.scheduling.affinity import PREFIX_SCORER_TYPES, prefix_scores
+from servegate.scheduling.framework import (
+    CycleState,
+    Decision,
+    Plugin,
+    ProfileResult,
+    SchedulerProfile,
+    Scorer,
+)
+from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
+from servegate.scheduling.request import LLMRequest, RequestKind
+
+PREFILLER_HEADER = "x-prefiller-host-port"
+DATA_PARALLEL_HEADER = "x-data-parallel-host-port"
+DECODE_ONLY = "decode-only"
+PREFILL_DECODE = "prefill-decode"
+DEFAULT_DECODE_PROFILE = "decode"
+DEFAULT_PREFILL_PROFILE = "prefill"
+DEFAULT_DP_PRIMARY_PORT = 8000
+
+
+@runtime_checkable
+class PDDecider(Plugin, Protocol):
+    def disaggregate(self, cycle: CycleState, request: LLMRequest, decode: EndpointState) -> bool:
+        """True when `request` should be prefilled elsewhere before `decode` decodes it."""
+        ...
+
+
+# -- deciders --------------------------------------------------------------------------
+
+
+def _prefix_scorers(
+    owner: str, plugins: Mapping[str, Plugin], name: str | None, parameter: str
+) -> tuple[Scorer, ...]:
+    """The named prefix scorer, or every declared one (none is allowed)."""
+    if name is not None:
+        plugin = plugins.get(name)
+        if plugin is None:
+            raise ValueError(f"{parameter} {name!r} names no declared plugin")
+        if plugin.type not in PREFIX_SCORER_TYPES or not isinstance(plugin, Scorer):
+            raise ValueError(
+                f"{parameter} {name!r} is a {plugin.type!r}; {owner} needs a "
+                + " or ".join(PREFIX_SCORER_TYPES)
+            )
+        return (plugin,)
+    return tuple(
+        p for p in plugins.values() if p.type in PREFIX_SCORER_TYPES and isinstance(p, Scorer)
+    )
+
+
+def cached_fraction(
+    cycle: CycleState, request: LLMRequest, scorers: Sequence[Scorer], endpoint: EndpointState
+) -> float:
+    """The share of the prompt `endpoint` holds, by the best-informed prefix scorer (0 without one)."""
+    best = 0.0
+    for scorer in scorers:
+        score = prefix_scores(cycle, scorer, request, [endpoint])[0]
+        if score > best:
+            best = score
+    return best if best < 1.0 else 1.0
+
+
+class PrefixDeciderParameters(Parameters):
+    non_cached_tokens: int = Field(0, alias="nonCachedTokens", ge=0)
+    prefix_plugin_name: str | None = Field(None, alias="prefixPluginName", min_length=1)
+
+
+class PrefixBasedPDDecider:
+    """`prefix-based-pd-decider`: disaggregate when the decode endpoint lacks enough of the prompt.
+
+    `uncached = prompt_tokens − round(f × prompt_tokens)`, `f` the decode endpoint's
+    prefix score (matched leading blocks / prompt blocks) from the prefix scorer named by
+    `prefixPluginName`, else the highest of every declared prefix scorer, else 0 (the
+    whole prompt counts as uncached). Disaggregate when `uncached ≥ nonCachedTokens`;
+    `nonCachedTokens: 0` always disaggregates, a prompt shorter than it never does.
+    """
+
+    __slots__ = ("name", "non_cached_tokens", "prefix_plugin_name", "scorers")
+    type: ClassVar[str] = "prefix-based-pd-decider"
+
+    def __init__(
+        self,
+        name: str | None = None,
+        non_cached_tokens: int = 0,
+        prefix_plugin_name: str | None = None,
+    ) -> None:
+        self.name = name or self.type
+        self.non_cached_tokens = non_cached_tokens
+        self.prefix_plugin_name = prefix_plugin_name
+        self.scorers: tuple[Scorer, ...] = ()
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        p = decode_parameters(PrefixDeciderParameters, cls.type, name, parameters)
+        return cls(name, p.non_cached_tokens, p.prefix_plugin_name)
+
+    def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
+        self.scorers = _prefix_scorers(
+            self.type, plugins, self.prefix_plugin_name, "prefixPluginName"
+        )
+
+    def uncached_tokens(self, cycle: CycleState, request: LLMRequest, decode: EndpointState) -> int:
+        n = request.prompt_tokens
+        return n - round(cached_fraction(cycle, request, self.scorers, decode) * n)
+
+    def disaggregate(self, cycle: CycleState, request: LLMRequest, decode: EndpointState) -> bool:
+        threshold = self.non_cached_tokens
+        if threshold <= 0:
+            return True
+        if request.prompt_tokens < threshold:
+            return False
+        return self.uncached_tokens(cycle, request, decode) >= threshold
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(name={self.name!r}, nonCachedTokens={self.non_cached_tokens})"
+        )
+
+
+class NoParameters(Parameters):
+    pass
+
+
+class AlwaysDisaggPDDecider:
+    """`always-disagg-pd-decider`: every request gets a separate prefill leg."""
+
+    __slots__ = ("name",)
+    type: ClassVar[str] = "always-disagg-pd-decider"
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or self.type
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        decode_parameters(NoParameters, cls.type, name, parameters)
+        return cls(name)
+
+    def disaggregate(self, cycle: CycleState, request: LLMRequest, decode: EndpointState) -> bool:
+        return True
+
+
+class CharThresholdDecider:
+    """The rule of llm-d's early `pd-profile-handler`: uncached prompt *characters* ≥ `threshold`.
+
+    Not registered: `pd-profile-handler` builds it from its own `threshold` parameter.
+    """
+
+    __slots__ = ("name", "prefix_plugin_name", "scorers", "threshold")
+    type: ClassVar[str] = "pd-profile-handler-threshold"
+
+    def __init__(self, name: str, threshold: int, prefix_plugin_name: str | None = None) -> None:
+        self.name = name
+        self.threshold = threshold
+        self.prefix_plugin_name = prefix_plugin_name
+        self.scorers: tuple[Scorer, ...] = ()
+
+    def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
+        self.scorers = _prefix_scorers(
+            "pd-profile-handler", plugins, self.prefix_plugin_name, "prefixPluginName"
+        )
+
+    def disaggregate(self, cycle: CycleState, request: LLMRequest, decode: EndpointState) -> bool:
+        if self.threshold <= 0:
+            return True
+        chars = len(request.prompt)
+        if chars < self.threshold:
+            return False
+        uncached = (1.0 - cached_fraction(cycle, request, self.scorers, decode)) * chars
+        return uncached >= self.threshold
+
+
+# -- the P/D profile handler --------------------------------------------------------------
+
+
+class ProfileNames(Parameters):
+    decode: str | None = Field(None, min_length=1)
+    prefill: str | None = Field(None, min_length=1)
+    encode: str | None = None
+
+
+class DeciderNames(Parameters):
+    prefill: str | None = Field(None, min_length=1)
+    encode: str | None = None
+
+
+_ENCODE_UNSUPPORTED = (
+    "encode disaggregation (E/PD) is not implemented in servegate; remove the encode "
+    "profile and decider"
+)
+
+
+class DisaggHandlerParameters(Parameters):
+    profiles: ProfileNames | None = None
+    deciders: DeciderNames | None = None
+    decode_profile: str | None = Field(None, alias="decodeProfile", min_length=1)
+    prefill_profile: str | None = Field(None, alias="prefillProfile", min_length=1)
+    encode_profile: str | None = Field(None, alias="encodeProfile")
+    prefill_decider_plugin_name: str | None = Field(
+        None, alias="prefillDeciderPluginName", min_length=1
+    )
+    decider_plugin_name: str | None = Field(None, alias="deciderPluginName", min_length=1)
+    encode_decider_plugin_name: str | None = Field(None, alias="encodeDeciderPluginName")
+    prefix_plugin_type: str | None = Field(None, alias="prefixPluginType")
+    prefix_plugin_name: str | None = Field(None, alias="prefixPluginName")
+    primary_port: int = Field(0, alias="primaryPort", ge=0, le=65535)
+
+    @model_validator(mode="after")
+    def _one_spelling(self) -> Self:
+        flat = (
+            self.decode_profile,
+            self.prefill_profile,
+            self.prefill_decider_plugin_name,
+            self.decider_plugin_name,
+        )
+        if any(v is not None for v in flat) and (
+            self.profiles is not None or self.deciders is not None
+        ):
+            raise ValueError(
+                "cannot mix the deprecated flat parameters (decodeProfile, prefillProfile, "
+                "deciderPluginName, prefillDeciderPluginName) with profiles/deciders; use one form"
+            )
+        if self.prefill_decider_plugin_name and self.decider_plugin_name:
+            raise ValueError(
+                "prefillDeciderPluginName and deciderPluginName name the same decider; keep one"
+            )
+        encode = (
+            self.encode_profile,
+            self.encode_decider_plugin_name,
+            self.profiles.encode if self.profiles else None,
+            self.deciders.encode if self.deciders else None,
+        )
+        if any(v is not None for v in encode):
+            raise ValueError(_ENCODE_UNSUPPORTED)
+        return self
+
+    def names(self) -> tuple[str, str, str | None]:
+        """(decode profile, prefill profile, decider plugin name)."""
+        profiles = self.profiles or ProfileNames()
+        deciders = self.deciders or DeciderNames()
+        return (
+            profiles.decode or self.decode_profile or DEFAULT_DECODE_PROFILE,
+            profiles.prefill or self.prefill_profile or DEFAULT_PREFILL_PROFILE,
+            deciders.prefill or self.prefill_decider_plugin_name or self.decider_plugin_name,
+        )
+
+
+class PdHandlerParameters(Parameters):
+    decode_profile: str = Field(DEFAULT_DECODE_PROFILE, alias="decodeProfile", min_length=1)
+    prefill_profile: str = Field(DEFAULT_PREFILL_PROFILE, alias="prefillProfile", min_length=1)
+    decider_plugin_name: str | None = Field(None, alias="deciderPluginName", min_length=1)
+    threshold: int | None = Field(None, ge=0)
+    hash_block_size: int | None = Field(None, alias="hashBlockSize", gt=0)
+    prefix_plugin_type: str | None = Field(None, alias="prefixPluginType")
+    prefix_plugin_name: str | None = Field(None, alias="prefixPluginName", min_length=1)
+    primary_port: int = Field(0, alias="primaryPort", ge=0, le=65535)
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> Self:
+        if self.decider_plugin_name is not None and self.threshold is not None:
+            raise ValueError("give either deciderPluginName or the older threshold rule, not both")
+        return self
+
+
+def _first_other(ranked: list[EndpointState], other: EndpointState) -> EndpointState | None:
+    for state in ranked:
+        if state is not other:
+            return state
+    return None
+
+
+class DisaggProfileHandler:
+    """`disagg-profile-handler`: decode profile first, then the prefill profile if the decider says so.
+
+    No prefill when the request is an embedding, the decider says no, the prefill
+    profile finds no endpoint, or its only choice is the decode endpoint itself; the
+    decision is then `decode-only`. Without a decider every request is decode-only.
+    """
+
+    __slots__ = (
+        "decider",
+        "decider_name",
+        "decode_profile",
+        "name",
+        "prefill_profile",
+        "primary_port",
+    )
+    type: ClassVar[str] = "disagg-profile-handler"
+
+    def __init__(
+        self,
+        name: str | None = None,
+        decode_profile: str = DEFAULT_DECODE_PROFILE,
+        prefill_profile: str = DEFAULT_PREFILL_PROFILE,
+        decider: PDDecider | None = None,
+        primary_port: int | None = None,
+        decider_name: str | None = None,
+    ) -> None:
+        self.name = name or self.type
+        self.decode_profile = decode_profile
+        self.prefill_profile = prefill_profile
+        self.decider = decider
+        self.decider_name = decider_name
+        self.primary_port = primary_port
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        p = decode_parameters(DisaggHandlerParameters, cls.type, name, parameters)
+        decode, prefill, decider = p.names()
+        return cls(name, decode, prefill, None, p.primary_port or None, decider)
+
+    def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
+        if self.decider_name is None:
+            return
+        plugin = plugins.get(self.decider_name)
+        if plugin is None:
+            raise ValueError(
+                f"the prefill decider {self.decider_name!r} names no declared plugin; declare "
+                "it (for example prefix-based-pd-decider) or fix the name"
+            )
+        if not isinstance(plugin, PDDecider):
+            raise ValueError(
+                f"the prefill decider {self.decider_name!r} is a {plugin.type!r}, not a P/D "
+                "decider (prefix-based-pd-decider, always-disagg-pd-decider)"
+            )
+        self.decider = plugin
+
+    def check_profiles(self, profiles: Mapping[str, SchedulerProfile]) -> None:
+        names = ", ".join(profiles) or "none"
+        if self.decode_profile not in profiles:
+            raise ValueError(
+                f"runs the decode profile {self.decode_profile!r} first, but the scheduling "
+                f"profiles are: {names}; add it or name the decode profile in the parameters"
+            )
+        wants_prefill = self.decider is not None or self.decider_name is not None
+        if wants_prefill and self.prefill_profile not in profiles:
+            raise ValueError(
+                f"has a prefill decider but no prefill profile {self.prefill_profile!r} "
+                f"(profiles: {names}); add it or name the prefill profile in the parameters"
+            )
+        if not wants_prefill and self.prefill_profile in profiles:
+            raise ValueError(
+                f"profile {self.prefill_profile!r} would never run: name a prefill decider "
+                "(deciders.prefill, for example prefix-based-pd-decider), or remove the profile"
+            )
+        extra = [p for p in profiles if p not in (self.decode_profile, self.prefill_profile)]
+        if extra:
+            raise ValueError(
+                f"never runs profile(s) {', '.join(extra)}; it runs only "
+                f"{self.decode_profile!r} and {self.prefill_profile!r}"
+            )
+
+    def pick_profiles(
+        self,
+        cycle: CycleState,
+        request: LLMRequest,
+        profiles: Mapping[str, SchedulerProfile],
+        results: Mapping[str, ProfileResult | None],
+    ) -> list[str]:
+        if self.decode_profile not in results:
+            return [self.decode_profile]
+        decode = results[self.decode_profile]
+        if (
+            decode is None
+            or self.prefill_profile in results
+            or self.decider is None
+            or request.kind is RequestKind.EMBEDDING
+        ):
+            return []
+        if self.decider.disaggregate(cycle, request, decode.ranked[0]):
+            return [self.prefill_profile]
+        return []
+
+    def process_results(
+        self,
+        cycle: CycleState,
+        request: LLMRequest,
+        results: Mapping[str, ProfileResult | None],
+    ) -> Decision | None:
+        decode = results.get(self.decode_profile)
+        if decode is None or not decode.ranked:
+            return None
+        target = decode.ranked[0]
+        prefill = results.get(self.prefill_profile)
+        chosen = _first_other(prefill.ranked, target) if prefill is not None else None
+        kept: dict[str, ProfileResult] = {self.decode_profile: decode}
+        if chosen is not None and prefill is not None:
+            kept[self.prefill_profile] = prefill
+        return Decision(
+            endpoint=target,
+            fallbacks=decode.ranked[1:],
+            prefill=chosen,
+            profile=self.decode_profile,
+            results=kept,
+            pd_decision=PREFILL_DECODE if chosen is not None else DECODE_ONLY,
+            primary_port=self.primary_port,
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class PdProfileHandler(DisaggProfileHandler):
+    """`pd-profile-handler`: llm-d's older name, with its own parameters.
+
+    The decider is `deciderPluginName`; without one, the built-in rule of the first
+    versions: prefill when uncached prompt characters ≥ `threshold` (0, the default,
+    always prefills). `hashBlockSize` and `prefixPluginType` are accepted and unused
+    (the prefix scorer has its own block size).
+    """
+
+    __slots__ = ()
+    type: ClassVar[str] = "pd-profile-handler"
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        p = decode_parameters(PdHandlerParameters, cls.type, name, parameters)
+        decider: PDDecider | None = None
+        if p.decider_plugin_name is None:
+            decider = CharThresholdDecider(
+                f"{name}/threshold", p.threshold or 0, p.prefix_plugin_name
+            )
+        return cls(
+            name,
+            p.decode_profile,
+            p.prefill_profile,
+            decider,
+            p.primary_port or None,
+            p.decider_plugin_name,
+        )
+
+    def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
+        if isinstance(self.decider, CharThresholdDecider):
+            self.decider.bind_plugins(plugins)
+            return
+        super().bind_plugins(plugins)
+
+
+# -- data parallelism behind a sidecar ----------------------------------------------------
+
+
+class DataParallelParameters(Parameters):
+    primary_port: int = Field(DEFAULT_DP_PRIMARY_PORT, alias="primaryPort", ge=1, le=65535)
+
+
+class DataParallelProfileHandler:
+    """`data-parallel-profile-handler`: one profile picks a rank; the sidecar on `primaryPort` serves it."""
+
+    __slots__ = ("name", "primary_port")
+    type: ClassVar[str] = "data-parallel-profile-handler"
+
+    def __init__(self, name: str | None = None, primary_port: int = DEFAULT_DP_PRIMARY_PORT):
+        self.name = name or self.type
+        self.primary_port = primary_port
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        p = decode_parameters(DataParallelParameters, cls.type, name, parameters)
+        return cls(name, p.primary_port)
+
+    def check_profiles(self, profiles: Mapping[str, SchedulerProfile]) -> None:
+        if len(profiles) != 1:
+            raise ValueError(
+                f"runs exactly one scheduling profile, but {len(profiles)} are configured "
+                f"({', '.join(profiles) or 'none'}); keep one"
+            )
+
+    def pick_profiles(
+        self,
+        cycle: CycleState,
+        request: LLMRequest,
+        profiles: Mapping[str, SchedulerProfile],
+        results: Mapping[str, ProfileResult | None],
+    ) -> list[str]:
+        return [] if results else list(profiles)
+
+    def process_results(
+        self,
+        cycle: CycleState,
+        request: LLMRequest,
+        results: Mapping[str, ProfileResult | None],
+    ) -> Decision | None:
+        for name, result in results.items():
+            if result is None or not result.ranked:
+                return None
+            return Decision(
+                endpoint=result.ranked[0],
+                fallbacks=result.ranked[1:],
+                profile=name,
+                results={name: result},
+                primary_port=self.primary_port,
+            )
+        return None
+
+
+# -- llm-d's sidecar header plugins ----------------------------------------------------------
+
+
+class HeadersHandlerParameters(Parameters):
+    prefill_profile: str = Field(DEFAULT_PREFILL_PROFILE, alias="prefillProfile", min_length=1)
+    encode_profile: str | None = Field(None, alias="encodeProfile")
+
+
+class DisaggHeadersHandler:
+    """`disagg-headers-handler` (`prefill-header-handler`): the sidecar protocol is in use.
+
+    The gateway writes `x-prefiller-host-port` itself (`gateway/disagg.py`); declaring
+    this plugin selects that protocol when `disaggregation.mode` is `auto`.
+    `prefillProfile` must name the P/D handler's prefill profile; `encodeProfile` is
+    accepted and unused (servegate has no encode stage).
+    """
+
+    __slots__ = ("name", "prefill_profile")
+    type: ClassVar[str] = "disagg-headers-handler"
+
+    def __init__(self, name: str | None = None, prefill_profile: str = DEFAULT_PREFILL_PROFILE):
+        self.name = name or self.type
+        self.prefill_profile = prefill_profile
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        p = decode_parameters(HeadersHandlerParameters, cls.type, name, parameters)
+        return cls(name, p.prefill_profile)
+
+    def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
+        for plugin in plugins.values():
+            if (
+                isinstance(plugin, DisaggProfileHandler)
+                and plugin.prefill_profile != self.prefill_profile
+            ):
+                raise ValueError(
+                    f"prefillProfile {self.prefill_profile!r} is not the prefill profile "
+                    f"{plugin.prefill_profile!r} of {plugin.name!r}; make them the same"
+                )
+
+
+LEGACY_HEADERS_HANDLER_TYPE = "prefill-header-handler"
+"""llm-d's older name of `disagg-headers-handler`; accepted as an alias."""
