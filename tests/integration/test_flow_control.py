@@ -102,12 +102,12 @@ async def test_priority_goes_first_and_disconnect_leaves_the_queue(
         controller = gw.gateway.admission.controller  # type: ignore[union-attr]
         finished: list[str] = []
 
-        async def tagged(name: str, objective: str | None) -> None:
-            status, _, _ = await post(session, gw.url, objective, tokens=20)
+        async def tagged(name: str, objective: str | None, tokens: int = 20) -> None:
+            status, _, _ = await post(session, gw.url, objective, tokens=tokens)
             assert status == 200
             finished.append(name)
 
-        hold = asyncio.create_task(tagged("hold", None))
+        hold = asyncio.create_task(tagged("hold", None, tokens=400))  # ~2 s at speed 1
         await wait_for(lambda: any(s.in_flight_requests for s in gw.gateway.pool))
         low = asyncio.create_task(tagged("low", None))
         await wait_for(lambda: controller.queues.requests == 1)
@@ -117,7 +117,9 @@ async def test_priority_goes_first_and_disconnect_leaves_the_queue(
         await wait_for(lambda: controller.queues.requests == 3)
         writer.close()
         await writer.wait_closed()
-        await wait_for(lambda: controller.queues.requests == 2, what="the leaver's removal")
+        cancelled = (0, Outcome.EVICTED_CONTEXT_CANCELLED)
+        await wait_for(lambda: controller.stats.outcomes.get(cancelled) == 1, what="removal")
+        assert controller.queues.requests == 2 and not hold.done()
         await asyncio.gather(hold, low, high)
         assert finished == ["hold", "high", "low"]
         async with session.get(gw.url + "/metrics") as resp:
