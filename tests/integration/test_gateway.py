@@ -255,6 +255,9 @@ async def test_client_disconnect_cancels_upstream(
     await wait_for(lambda: served.engine.num_running == 0, what="upstream request to be aborted")
     pool = gateway.gateway.pool
     await wait_for(lambda: all(s.in_flight_requests == 0 for s in pool), what="in-flight release")
+    await wait_for(lambda: bool(gateway.access_lines()), what="the access-log line")
+    line = gateway.access_lines()[-1]
+    assert (line["status"], line["error"]) == (499, "client disconnected")
 
 
 async def test_metrics_show_requests(

@@ -6,6 +6,7 @@ schedule (pure) → forward bytes with fallbacks → relay → account, log, cou
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import random
@@ -240,6 +241,10 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         gw.metrics.request_errors.labels(*model_labels, str(exc.status)).inc()
         response = render(exc, {"X-Request-ID": rid})
         return response
+    except asyncio.CancelledError:
+        record.status = 499
+        record.error = "client disconnected"
+        raise
     finally:
         if admitted and gw.admission is not None:
             gw.admission.completed()

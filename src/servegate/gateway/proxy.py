@@ -308,9 +308,18 @@ class Proxy:
         except TimeoutError as exc:
             self._midstream(state, record, exc)
             await response.write(sse_error_event(UpstreamTimeout(_midstream_message(state))))
+        except ConnectionResetError:
+            # The client left mid-stream: stop the upstream request, no traceback.
+            upstream.close()
+            record.status = 499
+            record.error = "client disconnected"
+            return response
         if USAGE_MARK in tail:
             self._note_usage(record, usage_from_sse_tail(tail))
-        await response.write_eof()
+        try:
+            await response.write_eof()
+        except ConnectionResetError:
+            record.error = "client disconnected before the end of the stream"
         return response
 
     def _midstream(self, state: EndpointState, record: AccessRecord, exc: BaseException) -> None:
