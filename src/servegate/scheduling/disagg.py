@@ -44,7 +44,12 @@ from servegate.scheduling.framework import (
     SchedulerProfile,
     Scorer,
 )
-from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
+from servegate.scheduling.registry import (
+    ParameterlessPlugin,
+    Parameters,
+    PluginContext,
+    decode_parameters,
+)
 from servegate.scheduling.request import LLMRequest, RequestKind
 
 PREFILLER_HEADER = "x-prefiller-host-port"
@@ -154,23 +159,11 @@ class PrefixBasedPDDecider:
         )
 
 
-class NoParameters(Parameters):
-    pass
-
-
-class AlwaysDisaggPDDecider:
+class AlwaysDisaggPDDecider(ParameterlessPlugin):
     """`always-disagg-pd-decider`: every request gets a separate prefill leg."""
 
-    __slots__ = ("name",)
+    __slots__ = ()
     type: ClassVar[str] = "always-disagg-pd-decider"
-
-    def __init__(self, name: str | None = None) -> None:
-        self.name = name or self.type
-
-    @classmethod
-    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        decode_parameters(NoParameters, cls.type, name, parameters)
-        return cls(name)
 
     def disaggregate(self, cycle: CycleState, request: LLMRequest, decode: EndpointState) -> bool:
         return True

@@ -13,7 +13,12 @@ from pydantic import Field, model_validator
 
 from servegate.pool.endpoint import ROLE_LABEL, Endpoint, EndpointState, Role
 from servegate.scheduling.framework import CycleState
-from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
+from servegate.scheduling.registry import (
+    ParameterlessPlugin,
+    Parameters,
+    PluginContext,
+    decode_parameters,
+)
 from servegate.scheduling.request import LLMRequest
 
 LEGACY_LABEL_SELECTOR_TYPE = "by-label-selector"
@@ -120,22 +125,9 @@ def role_of(endpoint: Endpoint) -> str | None:
     return None
 
 
-class NoParameters(Parameters):
-    pass
-
-
-class _RoleFilter:
-    __slots__ = ("name",)
-    type: ClassVar[str]
+class _RoleFilter(ParameterlessPlugin):
+    __slots__ = ()
     keeps: ClassVar[frozenset[str | None]]
-
-    def __init__(self, name: str | None = None) -> None:
-        self.name = name or self.type
-
-    @classmethod
-    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        decode_parameters(NoParameters, cls.type, name, parameters)
-        return cls(name)
 
     def filter(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]

@@ -13,10 +13,12 @@ so that a wrong configuration fails at load time, not on the first request.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar, Protocol, Self, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 from servegate.scheduling.framework import CycleState, Decision, ProfileResult, SchedulerProfile
-from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
+from servegate.scheduling.registry import (
+    ParameterlessPlugin,
+)
 from servegate.scheduling.request import LLMRequest
 
 
@@ -27,23 +29,11 @@ class ProfileSetCheck(Protocol):
         ...
 
 
-class NoParameters(Parameters):
-    pass
-
-
-class SingleProfileHandler:
+class SingleProfileHandler(ParameterlessPlugin):
     """Runs the one configured profile; its ranking is the decision."""
 
-    __slots__ = ("name",)
+    __slots__ = ()
     type: ClassVar[str] = "single-profile-handler"
-
-    def __init__(self, name: str | None = None) -> None:
-        self.name = name or self.type
-
-    @classmethod
-    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        decode_parameters(NoParameters, cls.type, name, parameters)
-        return cls(name)
 
     def check_profiles(self, profiles: Mapping[str, SchedulerProfile]) -> None:
         if len(profiles) != 1:

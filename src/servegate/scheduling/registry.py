@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -57,6 +57,28 @@ class Parameters(BaseModel):
     """Base of every plugin's parameters: frozen, strict, unknown keys rejected."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=False)
+
+
+class NoParameters(Parameters):
+    """For plugins that take none: any key given is an error."""
+
+
+class ParameterlessPlugin:
+    """Constructor, factory and repr shared by plugins without parameters."""
+
+    __slots__ = ("name",)
+    type: ClassVar[str]
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or self.type
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        decode_parameters(NoParameters, cls.type, name, parameters)
+        return cls(name)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
 
 
 class PluginParameterError(ValueError):

@@ -21,15 +21,16 @@ from pydantic import Field, field_validator
 
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.framework import CycleState
-from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
+from servegate.scheduling.registry import (
+    ParameterlessPlugin,
+    Parameters,
+    PluginContext,
+    decode_parameters,
+)
 from servegate.scheduling.request import LLMRequest
 
 LEGACY_KV_CACHE_TYPE = "kv-cache-scorer"
 """The Gateway API Inference Extension's older name of `kv-cache-utilization-scorer`."""
-
-
-class NoParameters(Parameters):
-    pass
 
 
 def inverted_min_max(values: list[float]) -> list[float]:
@@ -54,25 +55,7 @@ def inverted_min_max(values: list[float]) -> list[float]:
     return [(hi - v) / span for v in values]
 
 
-class _Simple:
-    """Shared constructor/factory for scorers without parameters."""
-
-    __slots__ = ("name",)
-    type: ClassVar[str]
-
-    def __init__(self, name: str | None = None) -> None:
-        self.name = name or self.type
-
-    @classmethod
-    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        decode_parameters(NoParameters, cls.type, name, parameters)
-        return cls(name)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r})"
-
-
-class QueueScorer(_Simple):
+class QueueScorer(ParameterlessPlugin):
     """Fewer waiting requests (`metrics.waiting`) is better, min-max normalised over candidates."""
 
     __slots__ = ()
@@ -84,7 +67,7 @@ class QueueScorer(_Simple):
         return inverted_min_max([s.metrics.waiting for s in endpoints])
 
 
-class RunningRequestsSizeScorer(_Simple):
+class RunningRequestsSizeScorer(ParameterlessPlugin):
     """Fewer running requests (`metrics.running`) is better, min-max normalised over candidates."""
 
     __slots__ = ()
@@ -96,7 +79,7 @@ class RunningRequestsSizeScorer(_Simple):
         return inverted_min_max([s.metrics.running for s in endpoints])
 
 
-class KVCacheUtilizationScorer(_Simple):
+class KVCacheUtilizationScorer(ParameterlessPlugin):
     """More free KV cache is better: `1 - metrics.kv_usage`."""
 
     __slots__ = ()
@@ -225,7 +208,7 @@ class TokenLoadScorer:
         return [1.0 - n / t if n < t else 0.0 for n in [s.in_flight_tokens for s in endpoints]]
 
 
-class LoraAffinityScorer(_Simple):
+class LoraAffinityScorer(ParameterlessPlugin):
     """Prefer replicas that already run the requested LoRA adapter, then ones with a free slot.
 
     1.0 adapter running; 0.8 a slot is free (`|running | waiting| < max_lora`);
