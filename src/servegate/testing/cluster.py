@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Generic, Literal, Protocol, TypeVar
 
 import aiohttp
 import yaml
@@ -82,6 +82,40 @@ def _configs(
     return out
 
 
+class _Server(Protocol):
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def address(self) -> str: ...
+
+
+S = TypeVar("S", bound=_Server)
+
+
+class _Servers(Generic[S]):
+    """What both cluster kinds answer about their servers."""
+
+    servers: list[S]
+
+    def __getitem__(self, index: int) -> S:
+        return self.servers[index]
+
+    def __len__(self) -> int:
+        return len(self.servers)
+
+    def __iter__(self) -> Iterator[S]:
+        return iter(self.servers)
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self.servers]
+
+
 class SimHandle:
     """One in-process simulator of a `SimCluster`."""
 
@@ -135,7 +169,7 @@ class SimHandle:
         )
 
 
-class SimCluster:
+class SimCluster(_Servers[SimHandle]):
     def __init__(
         self,
         n: int = 1,
@@ -178,23 +212,6 @@ class SimCluster:
         if self._sockdir is not None:
             shutil.rmtree(self._sockdir, ignore_errors=True)
             self._sockdir = None
-
-    def __getitem__(self, index: int) -> SimHandle:
-        return self.servers[index]
-
-    def __len__(self) -> int:
-        return len(self.servers)
-
-    def __iter__(self) -> Iterator[SimHandle]:
-        return iter(self.servers)
-
-    @property
-    def urls(self) -> list[str]:
-        return [s.url for s in self.servers]
-
-    @property
-    def addresses(self) -> list[str]:
-        return [s.address for s in self.servers]
 
     @property
     def configs(self) -> list[SimConfig]:
@@ -245,7 +262,7 @@ class SimProcess:
                 self.proc.kill()
 
 
-class SimClusterProcess:
+class SimClusterProcess(_Servers[SimProcess]):
     """N simulators as child processes; children are killed on exit, always."""
 
     def __init__(
@@ -351,20 +368,6 @@ class SimClusterProcess:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
-
-    def __getitem__(self, index: int) -> SimProcess:
-        return self.servers[index]
-
-    def __len__(self) -> int:
-        return len(self.servers)
-
-    @property
-    def urls(self) -> list[str]:
-        return [s.url for s in self.servers]
-
-    @property
-    def addresses(self) -> list[str]:
-        return [s.address for s in self.servers]
 
 
 def _write_yaml(path: str, data: Mapping[str, Any]) -> None:
