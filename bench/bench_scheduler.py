@@ -53,7 +53,7 @@ schedulingProfiles:
 """
 
 CONFIGS = {
-    "default (3 scorers, max-score)": (DEFAULT_PICKER_CONFIG, None),
+    "default (servegate default profile)": (DEFAULT_PICKER_CONFIG, None),
     "heavy (2 filters, 5 scorers, LoRA request)": (HEAVY_PICKER_CONFIG, "a3"),
 }
 
