@@ -79,15 +79,28 @@ def serve(
     debug_headers: Annotated[
         bool | None, typer.Option("--debug-headers/--no-debug-headers")
     ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(help="Gateway processes on one port (SO_REUSEPORT), supervised."),
+    ] = None,
 ) -> None:
     """Run the gateway."""
     from servegate.gateway.logging import configure_logging
+    from servegate.gateway.reload import ConfigSource
     from servegate.gateway.server import run
 
-    cfg = _load(config, _overrides(endpoint, host, port, model, picker, debug_headers))
+    overrides = _overrides(endpoint, host, port, model, picker, debug_headers)
+    if workers is not None:
+        overrides["scaleout"] = {"workers": workers}
+    cfg = _load(config, overrides)
     configure_logging(cfg.log_level)
+    source = ConfigSource(config, overrides) if config is not None else None
     try:
-        run(cfg, config.parent if config else None)
+        if cfg.scaleout.workers > 1:
+            from servegate.scaleout.supervisor import supervise
+
+            raise typer.Exit(supervise(cfg, config.parent if config else None, source))
+        run(cfg, config.parent if config else None, source)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc

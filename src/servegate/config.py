@@ -24,6 +24,8 @@ from pydantic import (
 
 from servegate.pool.discovery.settings import DiscoverySettings, StaticDiscoverySettings
 from servegate.pool.endpoint import Endpoint, Role
+from servegate.scaleout.settings import ScaleOutSettings
+from servegate.scheduling.affinity import SESSION_ID_HEADER
 from servegate.scheduling.flowcontrol.settings import FlowControlSettings
 
 ENV_PREFIX = "SERVEGATE_"
@@ -188,6 +190,9 @@ class ModelDeclaration(_Strict):
     parent: str | None = None
     tokenizer: TokenizerSettings | None = None
     """Overrides the pool's `tokenizer` for this model (and its adapters)."""
+    chat_template: str | None = None
+    """For text-only engines (Triton): inline Jinja, or a file path relative to the config;
+    None = the tokenizer folder's template, else ChatML (docs/backends.md)."""
 
 
 class PoolSettings(_Strict):
@@ -207,6 +212,115 @@ class PoolSettings(_Strict):
     kv_events: KVEventsPoolSettings = KVEventsPoolSettings()
     discovery: DiscoverySettings = StaticDiscoverySettings()
     """`static`: `endpoints` only; `kubernetes`: also follow pods (see pool/discovery/settings.py)."""
+
+
+class PoolEntry(PoolSettings):
+    """One of `pools:`: a pool with, optionally, its own picker profile and flow control."""
+
+    picker: dict[str, Any] | str | None = None
+    """An EndpointPickerConfig (inline or a path); None = the top-level `picker`."""
+    flow_control: FlowControlSettings | None = None
+    """None = the top-level `flow_control`."""
+
+    def base(self) -> PoolSettings:
+        """The pool's own settings, without picker and flow control."""
+        return PoolSettings.model_validate(
+            self.model_dump(exclude={"picker", "flow_control"}, round_trip=True)
+        )
+
+
+def _match_model(value: Any) -> Any:
+    """`{model: NAME}` (shorthand) or `{model: {type: Exact, value: NAME}}` (the CRD's)."""
+    if isinstance(value, dict) and isinstance(value.get("model"), dict):
+        inner = dict(value["model"])
+        kind = inner.pop("type", "Exact")
+        if kind != "Exact":
+            raise ValueError(f"model match type {kind!r} is not supported; use Exact")
+        if set(inner) != {"value"}:
+            raise ValueError("a model match needs exactly `value` (and optionally `type`)")
+        return {**value, "model": inner["value"]}
+    return value
+
+
+class ModelMatch(_Strict):
+    model: str = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _crd_shape(cls, value: Any) -> Any:
+        return _match_model(value)
+
+
+class RewriteTarget(_Strict):
+    target: str = Field(alias="modelRewrite", min_length=1)
+    """The model name the replica sees."""
+    weight: int = Field(1, ge=0)
+
+
+class RewriteRule(_Strict):
+    matches: tuple[ModelMatch, ...] = ()
+    """Public model names this rule answers; empty = any model nothing else serves."""
+    targets: tuple[RewriteTarget, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _weights(self) -> RewriteRule:
+        if sum(t.weight for t in self.targets) <= 0:
+            raise ValueError("target weights must add up to more than 0")
+        names = [t.target for t in self.targets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a target is listed twice in {names}")
+        return self
+
+
+class StickySettings(_Strict):
+    header: str = Field(SESSION_ID_HEADER, min_length=1)
+    """A session's requests (same header value) always get the same target."""
+
+
+class ModelRewrite(_Strict):
+    """Gateway API Inference Extension's `InferenceModelRewrite`, as its `spec` or the whole
+    resource (`apiVersion`, `kind`, `metadata.name`, `spec`), plus `sticky`."""
+
+    name: str | None = None
+    pool_ref: str | None = Field(None, alias="poolRef")
+    """Targets are looked up in this pool only; None = the first pool that serves each."""
+    rules: tuple[RewriteRule, ...] = Field(min_length=1)
+    sticky: StickySettings | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resource_shape(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        out = dict(value)
+        if "spec" in out:
+            kind = out.pop("kind", "InferenceModelRewrite")
+            if kind != "InferenceModelRewrite":
+                raise ValueError(f"kind {kind!r}: only InferenceModelRewrite goes here")
+            out.pop("apiVersion", None)
+            metadata = out.pop("metadata", None) or {}
+            spec = out.pop("spec")
+            if not isinstance(spec, dict) or not isinstance(metadata, dict):
+                raise ValueError("`spec` and `metadata` must be mappings")
+            out = {**spec, **out}
+            if "name" in metadata:
+                out.setdefault("name", metadata["name"])
+        ref = out.get("poolRef")
+        if isinstance(ref, dict):
+            if "name" not in ref or set(ref) - {"name", "group", "kind"}:
+                raise ValueError("poolRef takes `name` (and optionally `group`, `kind`)")
+            out["poolRef"] = ref["name"]
+        return out
+
+
+class ReloadSettings(_Strict):
+    """Re-reading the config file at run time (SIGHUP, `POST /admin/reload`, or watching)."""
+
+    watch: bool = False
+    """Poll the file's modification time and reload when it changes."""
+    interval_s: PositiveFloat = 2.0
+    warmup_s: float = Field(5.0, ge=0)
+    """The longest a reload waits for a newly added pool's first ready endpoint."""
 
 
 class ExtProcSettings(_Strict):
@@ -247,18 +361,85 @@ class ServegateConfig(_Strict):
     picker: dict[str, Any] | str | None = None
     """An EndpointPickerConfig document, inline or a path to one; None = the default profile."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    pools: tuple[PoolEntry, ...] = ()
+    """Several pools (the first is the default); empty = the one `pool`."""
+    model_rewrites: tuple[ModelRewrite, ...] = ()
+    """Public model names mapped to weighted targets (InferenceModelRewrite)."""
+    reload: ReloadSettings = ReloadSettings()
+    scaleout: ScaleOutSettings = ScaleOutSettings()
+    """Several worker processes and replicas sharing routing state (docs/scaleout.md)."""
+
+    @model_validator(mode="after")
+    def _pools(self) -> ServegateConfig:
+        if not self.pools:
+            return self
+        names = [p.name for p in self.pools]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"pools: names must be unique; {twice} used more than once")
+        first = self.pools[0].base()
+        if "pool" in self.model_fields_set and self.pool != first:
+            raise ValueError(
+                "`pool` and `pools` are both set; move `pool` into `pools` (the first is the default)"
+            )
+        object.__setattr__(self, "pool", first)
+        return self
+
+    @model_validator(mode="after")
+    def _rewrites(self) -> ServegateConfig:
+        pools = {p.name for p in self.pool_entries()}
+        seen: dict[str, int] = {}
+        wildcard = 0
+        for index, rewrite in enumerate(self.model_rewrites):
+            if rewrite.pool_ref is not None and rewrite.pool_ref not in pools:
+                raise ValueError(
+                    f"model_rewrites[{index}]: poolRef {rewrite.pool_ref!r} names no pool;"
+                    f" pools are {sorted(pools)}"
+                )
+            for rule in rewrite.rules:
+                wildcard += not rule.matches
+                for match in rule.matches:
+                    if match.model in seen:
+                        raise ValueError(
+                            f"model_rewrites[{index}]: model {match.model!r} is already matched"
+                            f" by model_rewrites[{seen[match.model]}]"
+                        )
+                    seen[match.model] = index
+        if wildcard > 1:
+            raise ValueError("model_rewrites: at most one rule may have empty `matches`")
+        return self
+
+    def pool_entries(self) -> tuple[PoolEntry, ...]:
+        """Every pool with its picker and flow control resolved; the first is the default."""
+        entries = self.pools or (PoolEntry.model_validate(self.pool.model_dump(round_trip=True)),)
+        return tuple(
+            e.model_copy(
+                update={
+                    "picker": e.picker if e.picker is not None else self.picker,
+                    "flow_control": e.flow_control or self.flow_control,
+                }
+            )
+            for e in entries
+        )
 
     def picker_document(self, base_dir: Path | None = None) -> dict[str, Any] | str | None:
         """The picker config as a mapping or YAML text, reading a path if one was given."""
-        if isinstance(self.picker, str):
-            path = Path(self.picker)
-            if base_dir is not None and not path.is_absolute():
-                path = base_dir / path
-            try:
-                return path.read_text()
-            except OSError as exc:
-                raise ConfigError(f"picker: cannot read {path}: {exc.strerror}") from exc
-        return self.picker
+        return read_picker(self.picker, base_dir)
+
+
+def read_picker(
+    picker: dict[str, Any] | str | None, base_dir: Path | None = None
+) -> dict[str, Any] | str | None:
+    """A picker setting as a mapping or YAML text, reading a path if one was given."""
+    if isinstance(picker, str):
+        path = Path(picker)
+        if base_dir is not None and not path.is_absolute():
+            path = base_dir / path
+        try:
+            return path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"picker: cannot read {path}: {exc.strerror}") from exc
+    return picker
 
 
 # -- loading ---------------------------------------------------------------------

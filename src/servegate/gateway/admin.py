@@ -1,8 +1,11 @@
 """Operator routes: the pool's state, and draining an endpoint, behind their own key.
 
-    GET  /admin/pool                          endpoints, passive health, flow control
+    GET  /admin/pool                          the default pool: endpoints, passive health,
+                                              flow control
+    GET  /admin/pools                         every pool, and the model rewrites
     POST /admin/endpoints/{address}/drain     take no new requests, finish what it has
     POST /admin/endpoints/{address}/undrain
+    POST /admin/reload                        re-read the config file (as SIGHUP does)
 
 Admin keys (`gateway.admin_keys`) are separate from the API keys clients use,
 compared in constant time; with none configured every admin call answers 403.
@@ -22,6 +25,7 @@ from servegate.gateway.errors import Forbidden, GatewayError, NotFound, Unauthor
 
 if TYPE_CHECKING:
     from servegate.gateway.app import Gateway
+    from servegate.gateway.pools import PoolRuntime
 
 ADMIN_PREFIX = "/admin/"
 
@@ -40,9 +44,27 @@ def check_admin_key(keys: tuple[str, ...], header: str) -> None:
 
 def pool_state(gw: Gateway, now: float | None = None) -> dict[str, Any]:
     """What an operator needs to see: every endpoint's live state, passive health, flow control."""
+    return runtime_state(gw.default, now)
+
+
+def pools_state(gw: Gateway, now: float | None = None) -> dict[str, Any]:
+    return {
+        "pools": [runtime_state(r, now) for r in gw.runtimes],
+        "model_rewrites": {
+            name: {
+                "pool": split.pool,
+                "sticky_header": split.sticky_header,
+                "targets": {t.model: t.weight for t in split.targets},
+            }
+            for name, split in sorted(gw.routing.splits.items())
+        },
+    }
+
+
+def runtime_state(runtime: PoolRuntime, now: float | None = None) -> dict[str, Any]:
     t = time.monotonic() if now is None else now
-    pool = gw.pool
-    outlier = gw.outlier
+    pool = runtime.pool
+    outlier = runtime.state.outlier
     endpoints = []
     for s in pool:
         m = s.metrics
@@ -82,7 +104,7 @@ def pool_state(gw: Gateway, now: float | None = None) -> dict[str, Any]:
         "ready_endpoints": pool.ready_count(t),
         "endpoints": endpoints,
     }
-    admission = gw.admission
+    admission = runtime.admission
     if admission is not None:
         controller = admission.controller
         out["flow_control"] = {
@@ -123,16 +145,36 @@ def add_admin_routes(app: web.Application, gateway_key: web.AppKey[Gateway]) -> 
             try:
                 gw = _gw(request)
                 address = request.match_info["address"]
-                if not gw.pool.set_draining(address, draining):
-                    raise NotFound(f"no endpoint {address!r} in the pool")
+                owners = [r for r in gw.runtimes if r.pool.set_draining(address, draining)]
+                if not owners:
+                    raise NotFound(f"no endpoint {address!r} in any pool")
             except GatewayError as exc:
                 return render(exc)
-            if gw.admission is not None:
-                gw.admission.completed()
+            for runtime in owners:
+                runtime.admission.completed()
             return _json({"address": address, "draining": draining})
 
         return handler
 
+    async def get_pools(request: web.Request) -> web.Response:
+        try:
+            return _json(pools_state(_gw(request)))
+        except GatewayError as exc:
+            return render(exc)
+
+    async def reload(request: web.Request) -> web.Response:
+        try:
+            gw = _gw(request)
+        except GatewayError as exc:
+            return render(exc)
+        if gw.reloader is None:
+            return _json({"ok": False, "error": "this gateway was not started from a file"}, 409)
+        result = await gw.reloader.reload()
+        body = {"ok": result.ok, "error": result.error, "pools": list(result.pools)}
+        return _json(body, 200 if result.ok else 422)
+
     app.router.add_get("/admin/pool", get_pool)
+    app.router.add_get("/admin/pools", get_pools)
+    app.router.add_post("/admin/reload", reload)
     app.router.add_post("/admin/endpoints/{address}/drain", _set_draining(True))
     app.router.add_post("/admin/endpoints/{address}/undrain", _set_draining(False))

@@ -1,7 +1,8 @@
 """The gateway application: routes, the request path, and the component wiring.
 
-Request path: read body → authorise → parse once → resolve model → candidates →
-schedule (pure) → forward bytes with fallbacks → relay → account, log, count.
+Request path: read body → authorise → parse once → rewrite the model and pick its pool
+(model_routing.py, pools.py) → that pool's admission → candidates → schedule (pure) →
+forward bytes with fallbacks → relay → account, log, count.
 """
 
 from __future__ import annotations
@@ -15,24 +16,20 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import orjson
 from aiohttp import web
 
 from servegate.config import ServegateConfig
-from servegate.datalayer import DataLayer, HealthSettings, ScrapeSettings
+from servegate.datalayer import DataLayer
 from servegate.datalayer.outlier import OutlierDetector
 from servegate.engines.registry import EngineRegistry
 from servegate.gateway.admin import add_admin_routes
-from servegate.gateway.admission import (
-    QUEUE_DURATION_HEADER,
-    GatewayAdmission,
-    build_admission,
-    queue_ms,
-)
-from servegate.gateway.cache_routing import CacheRouting, build_cache_routing
-from servegate.gateway.disagg import Disaggregator, build_disaggregator
+from servegate.gateway.admission import QUEUE_DURATION_HEADER, GatewayAdmission, queue_ms
+from servegate.gateway.cache_routing import CacheRouting
+from servegate.gateway.disagg import Disaggregator
 from servegate.gateway.errors import (
     BadRequest,
     BodyTooLarge,
@@ -45,91 +42,153 @@ from servegate.gateway.errors import (
 )
 from servegate.gateway.logging import AccessLog, AccessRecord
 from servegate.gateway.metrics import GatewayMetrics
+from servegate.gateway.model_routing import RoutingTable
 from servegate.gateway.openapi import serve_openapi
 from servegate.gateway.parse import parse_request
+from servegate.gateway.pools import (
+    PoolRuntime,
+    RuntimeCollector,
+    build_pool_datalayer,
+    build_runtime,
+)
 from servegate.gateway.probes import ProbeServer
 from servegate.gateway.proxy import Proxy, forward_headers
 from servegate.gateway.retry import RetryBudget
-from servegate.pool.discovery import start_discovery
 from servegate.pool.pool import Pool
-from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
+from servegate.scaleout.report import add_scaleout_routes
+from servegate.scaleout.wiring import start_scaleout
 from servegate.scheduling.framework import CycleState, NoCandidates
-from servegate.scheduling.registry import PluginContext
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.scheduling.scheduler import Scheduler, result_as_dict
+
+if TYPE_CHECKING:
+    from servegate.gateway.reload import ConfigReloader
 
 log = logging.getLogger("servegate.gateway")
 
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
+SERVED_MODEL_HEADER = "x-servegate-served-model"
+"""On responses whose model was rewritten: the model the replica was asked for."""
 
 
 @dataclass(slots=True)
 class Gateway:
-    """Everything the request path needs, built once at startup."""
+    """Everything the request path needs. Pools and model routing are swapped whole on
+    reload; `pool`, `scheduler`, `admission`… are the default (first) pool's."""
 
     config: ServegateConfig
-    pool: Pool
-    scheduler: Scheduler
+    runtimes: tuple[PoolRuntime, ...]
+    routing: RoutingTable
     metrics: GatewayMetrics
     access_log: AccessLog
-    engines: EngineRegistry
     rng: random.Random
     started_at: float = field(default_factory=time.time)
-    proxy: Proxy | None = None
-    datalayer: DataLayer | None = None
     session: aiohttp.ClientSession | None = None
-    admission: GatewayAdmission | None = None
-    outlier: OutlierDetector | None = None
+    control: aiohttp.ClientSession | None = None
     budget: RetryBudget | None = None
     probes: ProbeServer | None = None
-    cache_routing: CacheRouting = field(default_factory=CacheRouting)
-    disagg: Disaggregator | None = None
+    config_dir: Path | None = None
+    reload_listeners: list[Callable[[Gateway], None]] = field(default_factory=list)
+    """Called after every successful reload, with the gateway already switched over."""
+    reloader: ConfigReloader | None = None
+
+    def pool_runtimes(self) -> tuple[PoolRuntime, ...]:
+        """Every pool's runtime (`.pool`, `.scheduler`, …); the first is the default."""
+        return self.runtimes
+
+    @property
+    def default(self) -> PoolRuntime:
+        return self.runtimes[0]
+
+    @property
+    def pool(self) -> Pool:
+        return self.runtimes[0].pool
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.runtimes[0].scheduler
+
+    @property
+    def admission(self) -> GatewayAdmission:
+        return self.runtimes[0].admission
+
+    @property
+    def outlier(self) -> OutlierDetector:
+        return self.runtimes[0].state.outlier
+
+    @property
+    def cache_routing(self) -> CacheRouting:
+        return self.runtimes[0].cache_routing
+
+    @property
+    def engines(self) -> EngineRegistry:
+        return self.runtimes[0].state.engines
+
+    @property
+    def proxy(self) -> Proxy | None:
+        return self.runtimes[0].proxy
+
+    @property
+    def disagg(self) -> Disaggregator | None:
+        return self.runtimes[0].disagg
+
+    @property
+    def datalayer(self) -> DataLayer | None:
+        return self.runtimes[0].state.datalayer
+
+    @datalayer.setter
+    def datalayer(self, value: DataLayer | None) -> None:
+        self.runtimes[0].state.datalayer = value
+
+    def runtime(self, name: str) -> PoolRuntime | None:
+        return next((r for r in self.runtimes if r.name == name), None)
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
 
 
+def build_runtimes(
+    config: ServegateConfig,
+    metrics: GatewayMetrics,
+    config_dir: Path | None = None,
+    previous: tuple[PoolRuntime, ...] = (),
+) -> tuple[tuple[PoolRuntime, ...], RoutingTable]:
+    """Every pool's runtime and the model routing table; raises before starting anything."""
+    runtimes = tuple(
+        build_runtime(config, entry, metrics, config_dir, previous)
+        for entry in config.pool_entries()
+    )
+    routing = RoutingTable.from_config(config.model_rewrites)
+    known = {m for r in runtimes for m in r.pool.models}
+    unknown = sorted(routing.targets() - known)
+    if unknown:
+        log.warning(
+            "rewrite targets no pool declares yet (expected from replicas' /v1/models): %s",
+            ", ".join(unknown),
+        )
+    return runtimes, routing
+
+
 def build_gateway(
     config: ServegateConfig, config_dir: Path | None = None, access_stream: object = None
 ) -> Gateway:
-    pool = Pool(config.pool.name, staleness=config.pool.metrics_staleness_s)
-    engines = EngineRegistry()
-    for doc in config.pool.engines:
-        engines.add_custom(doc)
-    for declared in config.pool.models:
-        pool.declare_model(declared.id, declared.parent)
-    for endpoint_cfg in config.pool.endpoints:
-        endpoint = endpoint_cfg.to_endpoint(config.pool.name)
-        engines.get(endpoint.engine)
-        pool.add(endpoint)
-    picker_doc = config.picker_document(config_dir)
-    scheduler = load_picker_config(
-        picker_doc if picker_doc is not None else DEFAULT_PICKER_CONFIG,
-        PluginContext(staleness_s=config.pool.metrics_staleness_s),
-    )
-    metrics = GatewayMetrics(lambda: (pool,))
+    holder: list[Gateway] = []
+    metrics = GatewayMetrics(lambda: [r.pool for r in holder[0].runtimes] if holder else [])
+    runtimes, routing = build_runtimes(config, metrics, config_dir)
+    metrics.registry.register(RuntimeCollector(lambda: holder[0].runtimes if holder else ()))
     access = AccessLog(access_stream, enabled=config.gateway.access_log)  # type: ignore[arg-type]
-    admission = build_admission(
-        config.flow_control, pool, metrics.registry, picker_doc, scheduler.plugins
-    )
-    outlier = OutlierDetector(
-        pool,
-        config.outlier_detection,
-        on_eject=lambda state, _s: metrics.ejections.labels(state.address).inc(),
-    )
-    return Gateway(
-        admission=admission,
-        outlier=outlier,
-        budget=RetryBudget(config.retries),
+    gw = Gateway(
         config=config,
-        pool=pool,
-        scheduler=scheduler,
+        runtimes=runtimes,
+        routing=routing,
+        budget=RetryBudget(config.retries),
         metrics=metrics,
         access_log=access,
-        engines=engines,
         rng=random.Random(config.gateway.seed),
-        cache_routing=build_cache_routing(config, pool, scheduler, metrics.registry),
+        config_dir=config_dir,
     )
+    holder.append(gw)
+    return gw
 
 
 # -- request path -----------------------------------------------------------------
@@ -166,13 +225,25 @@ async def _read_body(gw: Gateway, request: web.Request) -> bytes:
         raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes") from exc
 
 
-def _resolve_model(gw: Gateway, llm: LLMRequest) -> None:
-    entry = gw.pool.resolve_model(llm.model)
-    if entry is None:
-        raise ModelNotFound(f"The model `{llm.model}` does not exist.")
-    llm.target_model = entry.id
-    llm.base_model = entry.base
-    llm.lora = entry.id if entry.parent else None
+def route_request(gw: Gateway, llm: LLMRequest) -> PoolRuntime:
+    """Rewrite the model (aliases, weighted splits), then find the pool that serves it."""
+    runtimes = gw.runtimes
+    served = any(r.pool.resolve_model(llm.model) is not None for r in runtimes)
+    routed = gw.routing.route(llm.model, llm.headers, gw.rng, served)
+    for runtime in runtimes:
+        if routed.pool is not None and runtime.name != routed.pool:
+            continue
+        entry = runtime.pool.resolve_model(routed.model)
+        if entry is not None:
+            llm.target_model = entry.id
+            llm.base_model = entry.base
+            llm.lora = entry.id if entry.parent else None
+            return runtime
+    if routed.rewritten:
+        raise ModelNotFound(
+            f"The model `{llm.model}` is routed to `{routed.model}`, which no pool serves."
+        )
+    raise ModelNotFound(f"The model `{llm.model}` does not exist.")
 
 
 async def _inference(request: web.Request, kind: RequestKind) -> web.StreamResponse:
@@ -184,56 +255,61 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
     model_labels = ("unknown", "unknown")
     series = None
     admitted = False
+    rt: PoolRuntime | None = None
     try:
         _authorise(gw, request)
         body = await _read_body(gw, request)
         llm = parse_request(body, kind, _lower_headers(request), rid)
         record.model = llm.model
-        _resolve_model(gw, llm)
+        rt = route_request(gw, llm)
+        rt.enter()
         record.target_model = llm.target_model
+        record.pool = rt.name
         model_labels = (llm.model, llm.target_model)
         series = gw.metrics.objective(llm.model, llm.target_model)
         series.running.inc()
-        assert gw.admission is not None
-        queued_s = await gw.admission.admit(llm, len(body))
+        queued_s = await rt.admission.admit(llm, len(body))
         admitted = True
         now = time.monotonic()
-        candidates = gw.pool.candidates(llm.base_model, now, llm.lora)
+        candidates = rt.pool.candidates(llm.base_model, now, llm.lora)
         if not candidates:
-            raise NoEndpoints(f"no ready endpoint serves model `{llm.model}`")
-        await gw.cache_routing.prepare(llm, candidates)
+            raise NoEndpoints(f"no ready endpoint serves model `{llm.target_model}`")
+        await rt.cache_routing.prepare(llm, candidates)
         t0 = time.perf_counter()
         try:
-            decision = gw.scheduler.schedule(llm, candidates, CycleState(now=now, rng=gw.rng))
+            decision = rt.scheduler.schedule(llm, candidates, CycleState(now=now, rng=gw.rng))
         except NoCandidates as exc:
-            raise NoEndpoints(f"no endpoint fits the request for model `{llm.model}`") from exc
+            raise NoEndpoints(
+                f"no endpoint fits the request for model `{llm.target_model}`"
+            ) from exc
         gw.metrics.decision.observe(time.perf_counter() - t0)
-        gw.scheduler.pre_request(llm, decision, now)
+        rt.scheduler.pre_request(llm, decision, now)
         extra = {"X-Request-ID": rid, QUEUE_DURATION_HEADER: queue_ms(queued_s)}
-        gw.cache_routing.headers(llm, decision, extra)
+        rt.cache_routing.headers(llm, decision, extra)
         if gw.config.gateway.debug_headers:
             result = decision.results.get(decision.profile)
             if result is not None:
                 extra["x-servegate-scores"] = orjson.dumps(result_as_dict(result)).decode()
-        assert gw.proxy is not None
+        assert rt.proxy is not None
         upstream_headers = forward_headers(
             request.headers, rid, strip_authorization=bool(gw.config.gateway.api_keys)
         )
         if llm.target_model != llm.model:
             llm.body["model"] = llm.target_model
             body = orjson.dumps(llm.body)
+            extra[SERVED_MODEL_HEADER] = llm.target_model
         tokens = llm.prompt_tokens + (llm.max_tokens or 0)
-        if gw.disagg is not None and gw.disagg.handles(decision):
-            response = await gw.disagg.forward(
+        if rt.disagg is not None and rt.disagg.handles(decision):
+            response = await rt.disagg.forward(
                 request, llm, decision, request.path, body, upstream_headers, tokens, record,
                 started, extra,
             )  # fmt: skip
         else:
-            response = await gw.proxy.forward(
+            response = await rt.proxy.forward(
                 request, decision.targets, request.path, body, upstream_headers, tokens, record,
                 started, extra,
             )  # fmt: skip
-        gw.scheduler.response_complete(llm, decision.endpoint, time.monotonic())
+        rt.scheduler.response_complete(llm, decision.endpoint, time.monotonic())
         return response
     except GatewayError as exc:
         record.status = exc.status
@@ -246,8 +322,10 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         record.error = "client disconnected"
         raise
     finally:
-        if admitted and gw.admission is not None:
-            gw.admission.completed()
+        if rt is not None:
+            if admitted:
+                rt.admission.completed()
+            rt.leave()
         elapsed = time.monotonic() - started
         record.latency_ms = elapsed * 1000.0
         if response is None and record.status == 0:
@@ -283,24 +361,43 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
     return await _inference(request, RequestKind.EMBEDDING)
 
 
+def public_models(gw: Gateway) -> list[dict[str, object]]:
+    """Aliases (their `root` the heaviest target) and every pool's models, by id."""
+    created = int(gw.started_at)
+    out: dict[str, dict[str, object]] = {}
+    for runtime in gw.runtimes:
+        for entry in runtime.pool.models.values():
+            out.setdefault(
+                entry.id,
+                {
+                    "id": entry.id,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "servegate",
+                    "root": entry.base,
+                    "parent": entry.parent,
+                },
+            )
+    for name, split in gw.routing.splits.items():
+        heaviest = max(split.targets, key=lambda t: t.weight).model
+        out[name] = {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "servegate",
+            "root": heaviest,
+            "parent": None,
+        }
+    return [out[k] for k in sorted(out)]
+
+
 async def list_models(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     try:
         _authorise(gw, request)
     except GatewayError as exc:
         return render(exc)
-    created = int(gw.started_at)
-    data = [
-        {
-            "id": entry.id,
-            "object": "model",
-            "created": created,
-            "owned_by": "servegate",
-            "root": entry.base,
-            "parent": entry.parent,
-        }
-        for entry in sorted(gw.pool.models.values(), key=lambda e: e.id)
-    ]
+    data = public_models(gw)
     return web.Response(
         body=orjson.dumps({"object": "list", "data": data}), content_type="application/json"
     )
@@ -312,8 +409,10 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    count = gw.pool.ready_count()
-    body = orjson.dumps({"ready": count > 0, "ready_endpoints": count, "endpoints": len(gw.pool)})
+    runtimes = gw.runtimes
+    count = sum(r.pool.ready_count() for r in runtimes)
+    total = sum(len(r.pool) for r in runtimes)
+    body = orjson.dumps({"ready": count > 0, "ready_endpoints": count, "endpoints": total})
     return web.Response(status=200 if count else 503, body=body, content_type="application/json")
 
 
@@ -343,22 +442,15 @@ async def error_middleware(
 
 def build_datalayer(gw: Gateway, session: aiohttp.ClientSession) -> DataLayer:
     """The scrapers and health checkers for `gw.pool`; shared by the HTTP and ext_proc modes."""
-    pool_cfg = gw.config.pool
-    return DataLayer(
-        gw.pool,
-        session,
-        gw.engines,
-        scrape=ScrapeSettings(
-            interval=pool_cfg.scrape_interval_s, timeout=pool_cfg.scrape_timeout_s
-        ),
-        health=HealthSettings(
-            interval=pool_cfg.health.interval_s,
-            timeout=pool_cfg.health.timeout_s,
-            failure_threshold=pool_cfg.health.failure_threshold,
-            success_threshold=pool_cfg.health.success_threshold,
-            models_every=pool_cfg.health.models_refresh_every,
-        ),
-    )
+    return build_pool_datalayer(gw.default.state.settings, gw.pool, session, gw.engines)
+
+
+async def start_runtimes(
+    gw: Gateway, runtimes: tuple[PoolRuntime, ...], config: ServegateConfig | None = None
+) -> None:
+    assert gw.session is not None and gw.control is not None
+    for runtime in runtimes:
+        await runtime.start(config or gw.config, gw.session, gw.control, gw.metrics, gw.budget)
 
 
 async def _components(app: web.Application) -> AsyncIterator[None]:
@@ -367,11 +459,6 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
     gw.session = session
-    gw.proxy = Proxy(session, settings, gw.pool, gw.metrics, gw.outlier, gw.budget)
-    gw.disagg = build_disaggregator(
-        settings, gw.config.disaggregation, gw.scheduler.plugins, gw.proxy, session, gw.pool,
-        gw.metrics,
-    )  # fmt: skip
     probes = None
     if settings.probe_port is not None:
         probes = gw.probes = ProbeServer(gw.pool, settings.host, settings.probe_port)
@@ -380,34 +467,36 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
     # connections first-in first-out, so probes cycling through the request path's pool
     # would keep every idle connection alive forever, and a saturated request pool
     # must not delay a probe.
-    control = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-    gw.datalayer = build_datalayer(gw, control)
-    await gw.datalayer.start()
-    await gw.cache_routing.start(session)
-    discovery = await start_discovery(gw.config.pool.discovery, gw.pool)
+    control = gw.control = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    scaleout = await start_scaleout(gw, app)  # before the runtimes: a follower scrapes nothing
+    await start_runtimes(gw, gw.runtimes)
     log.info(
         "gateway started",
-        extra={"fields": {"endpoints": [s.address for s in gw.pool]}},
+        extra={
+            "fields": {
+                "pools": {r.name: [s.address for s in r.pool] for r in gw.runtimes},
+            }
+        },
     )
     try:
         yield
     finally:
-        if discovery is not None:
-            await discovery.stop()
+        if gw.reloader is not None:
+            await gw.reloader.close()
         if probes is not None:
             probes.stop()
-        await gw.cache_routing.stop()
-        await gw.datalayer.stop()
+        if scaleout is not None:
+            await scaleout.stop()
+        for runtime in gw.runtimes:
+            await runtime.stop(keep_state=False)
         await control.close()
         await session.close()
 
 
 async def _stop_queueing(app: web.Application) -> None:
-    admission = app[GATEWAY].admission
-    if admission is not None:
-        turned_away = admission.close()
-        if turned_away:
-            log.info("shutting down: turned away %d queued requests", turned_away)
+    turned_away = sum(r.admission.close() for r in app[GATEWAY].runtimes)
+    if turned_away:
+        log.info("shutting down: turned away %d queued requests", turned_away)
 
 
 def create_app(gw: Gateway) -> web.Application:
@@ -424,6 +513,7 @@ def create_app(gw: Gateway) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", serve_openapi)
     add_admin_routes(app, GATEWAY)
+    add_scaleout_routes(app, GATEWAY)
     app.on_shutdown.append(_stop_queueing)
     app.cleanup_ctx.append(_components)
     return app

@@ -36,6 +36,7 @@ from servegate.config import DisaggregationSettings, GatewaySettings
 from servegate.gateway.logging import AccessRecord
 from servegate.gateway.metrics import GatewayMetrics
 from servegate.gateway.proxy import Proxy, Route
+from servegate.gateway.triton import TRITON_ENGINE
 from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
 from servegate.scheduling.disagg import (
@@ -162,6 +163,13 @@ class Disaggregator:
             record.pd_decision = decision.pd_decision
             self._metrics.disagg_decisions.labels(llm.target_model, decision.pd_decision).inc()
         prefill = decision.prefill
+        if prefill is not None and TRITON_ENGINE in (
+            prefill.endpoint.engine,
+            decision.endpoint.endpoint.engine,
+        ):
+            record.prefill_error = "P/D disaggregation does not support Triton endpoints"
+            self._metrics.disagg_fallbacks.labels("unsupported_engine").inc()
+            prefill = None
         if prefill is not None:
             record.prefill_endpoint = prefill.address
             if self.mode == "sidecar":

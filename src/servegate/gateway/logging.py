@@ -24,6 +24,8 @@ class AccessRecord:
     logger: str = "servegate.access"
     model: str | None = None
     target_model: str | None = None
+    """The model the replica was asked for: `model` after aliases and traffic splits."""
+    pool: str | None = None
     endpoint: str | None = None
     status: int = 0
     ttft_ms: float | None = None

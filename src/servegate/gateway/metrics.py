@@ -182,6 +182,12 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.reloads = Counter(
+            "servegate_config_reloads",
+            "Configuration reloads by result (success, failure: the old config stays).",
+            ["result"],
+            registry=r,
+        )
         r.register(_PoolCollector(pools))
         self._objective_children: dict[tuple[str, str], ObjectiveSeries] = {}
         self._response_children: dict[int, Counter] = {}

@@ -163,6 +163,21 @@ def openapi_document() -> dict[str, Any]:
             "/metrics": _plain("Prometheus metrics", "metrics", "text/plain"),
             "/openapi.json": _plain("This document", "openapi", "application/json"),
             "/admin/pool": _admin("Pool state", "adminPool", "get", False),
+            "/admin/pools": _admin(
+                "Every pool's state and the model rewrites", "adminPools", "get", False
+            ),
+            "/admin/reload": _admin(
+                "Re-read the config file (422: rejected, the old config stays)",
+                "adminReload",
+                "post",
+                False,
+            ),
+            "/admin/scaleout": _admin(
+                "Scale-out state: peers, shared in-flight counts, what is not shared",
+                "adminScaleout",
+                "get",
+                False,
+            ),
             "/admin/endpoints/{address}/drain": _admin(
                 "Drain an endpoint", "adminDrain", "post", True
             ),

@@ -8,6 +8,10 @@ stream has started, a failure ends it with an OpenAI-style error event and is
 counted (`servegate_upstream_errors{kind="midstream"}`). Every attempt's result
 feeds passive health (`datalayer/outlier.py`).
 Foreign exceptions are translated to `errors.py` types here and nowhere else.
+
+Triton endpoints (`triton-tensorrt-llm`) speak no OpenAI: for them each attempt
+translates the request and the answer (`triton.py`, `triton_stream.py`); every
+other engine gets the original bytes, at the cost of one string comparison.
 """
 
 from __future__ import annotations
@@ -34,6 +38,16 @@ from servegate.gateway.errors import (
 from servegate.gateway.logging import AccessRecord
 from servegate.gateway.metrics import GatewayMetrics
 from servegate.gateway.retry import RetryBudget
+from servegate.gateway.triton import (
+    TRITON_ENGINE,
+    TritonRequest,
+    TritonTranslator,
+    accumulates,
+    completion_response,
+    render_error,
+    triton_error,
+)
+from servegate.gateway.triton_stream import TritonStream
 from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
 
@@ -138,8 +152,10 @@ class Proxy:
         metrics: GatewayMetrics,
         outlier: OutlierDetector | None = None,
         budget: RetryBudget | None = None,
+        triton: TritonTranslator | None = None,
     ) -> None:
         self._session = session
+        self._triton = triton
         self._settings = settings
         self._pool = pool
         self._metrics = metrics
@@ -148,6 +164,17 @@ class Proxy:
         self._timeout = aiohttp.ClientTimeout(
             total=settings.total_timeout_s, sock_connect=settings.connect_timeout_s
         )
+
+    @property
+    def triton(self) -> TritonTranslator:
+        """How requests for Triton endpoints are translated (ChatML and estimates by default)."""
+        if self._triton is None:
+            self._triton = TritonTranslator()
+        return self._triton
+
+    @triton.setter
+    def triton(self, translator: TritonTranslator) -> None:
+        self._triton = translator
 
     async def _open(
         self,
@@ -202,18 +229,29 @@ class Proxy:
     ) -> web.StreamResponse:
         last_error: GatewayError = UpstreamFailed("no endpoint could be tried")
         attempts = targets[: self._settings.max_retries + 1]
+        translated: TritonRequest | None = None
         if self.budget is not None:
             self.budget.request()
         for attempt, state in enumerate(attempts):
             if attempt and not await self._may_retry(attempt):
                 break
             is_last = attempt == len(attempts) - 1
+            triton: TritonRequest | None = None
+            if state.endpoint.engine == TRITON_ENGINE:
+                if translated is None:
+                    translated = self.triton.prepare(path, body, headers.get("X-Request-ID", ""))
+                triton = translated
             record.retries = attempt
             record.endpoint = state.address
             self._pool.acquire(state, tokens)
             try:
                 try:
-                    if route is None:
+                    if triton is not None:
+                        triton_path, triton_body = triton.call(state.endpoint)
+                        upstream = await self._open(
+                            state, triton_path, _identity_encoding(headers), triton_body
+                        )
+                    elif route is None:
                         upstream = await self._open(state, path, headers, body)
                     else:
                         base_url, routed = route(state, headers)
@@ -236,9 +274,15 @@ class Proxy:
                             f"endpoint {state.address} answered {upstream.status}"
                         )
                         continue
-                    response = await self._relay(
-                        http_request, upstream, state, record, started, extra_response_headers
-                    )
+                    if triton is not None:
+                        response = await self._relay_triton(
+                            http_request, upstream, state, record, started,
+                            extra_response_headers, triton,
+                        )  # fmt: skip
+                    else:
+                        response = await self._relay(
+                            http_request, upstream, state, record, started, extra_response_headers
+                        )
                     complete = True
                     return response
                 finally:
@@ -265,14 +309,7 @@ class Proxy:
         record.status = upstream.status
         if upstream.content_type == "text/event-stream":
             return await self._relay_stream(http_request, upstream, state, record, started, headers)
-        try:
-            data = await upstream.read()
-        except (aiohttp.ClientError, OSError) as exc:
-            self._failed(state, "body")
-            raise UpstreamFailed(f"endpoint {state.address} broke off its answer") from exc
-        except TimeoutError as exc:
-            self._failed(state, "timeout")
-            raise UpstreamTimeout(f"endpoint {state.address} did not finish in time") from exc
+        data = await self._read(upstream, state)
         record.ttft_ms = (time.monotonic() - started) * 1000.0
         if USAGE_MARK in data:
             try:
@@ -322,6 +359,107 @@ class Proxy:
             record.error = "client disconnected before the end of the stream"
         return response
 
+    async def _read(self, upstream: aiohttp.ClientResponse, state: EndpointState) -> bytes:
+        try:
+            return await upstream.read()
+        except (aiohttp.ClientError, OSError) as exc:
+            self._failed(state, "body")
+            raise UpstreamFailed(f"endpoint {state.address} broke off its answer") from exc
+        except TimeoutError as exc:
+            self._failed(state, "timeout")
+            raise UpstreamTimeout(f"endpoint {state.address} did not finish in time") from exc
+
+    async def _relay_triton(
+        self,
+        http_request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        state: EndpointState,
+        record: AccessRecord,
+        started: float,
+        extra_headers: Mapping[str, str],
+        request: TritonRequest,
+    ) -> web.StreamResponse:
+        headers: CIMultiDict[str] = CIMultiDict()
+        headers["x-gateway-destination-endpoint"] = state.address
+        headers.update(extra_headers)
+        endpoint = state.endpoint
+        if upstream.status != 200:
+            error = triton_error(upstream.status, await self._read(upstream, state), endpoint)
+            record.status = error.status
+            record.error = error.message
+            return web.Response(
+                status=error.status,
+                body=render_error(error),
+                content_type="application/json",
+                headers=headers,
+            )
+        if upstream.content_type == "text/event-stream":
+            return await self._relay_triton_stream(
+                http_request, upstream, state, record, started, headers, request
+            )
+        data = await self._read(upstream, state)
+        record.ttft_ms = (time.monotonic() - started) * 1000.0
+        try:
+            body, usage = completion_response(request, endpoint, data)
+        except GatewayError:
+            self._failed(state, "invalid")
+            raise
+        record.status = 200
+        record.prompt_tokens = usage.prompt_tokens
+        record.completion_tokens = usage.completion_tokens
+        return web.Response(body=body, content_type="application/json", headers=headers)
+
+    async def _relay_triton_stream(
+        self,
+        http_request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        state: EndpointState,
+        record: AccessRecord,
+        started: float,
+        headers: CIMultiDict[str],
+        request: TritonRequest,
+    ) -> web.StreamResponse:
+        record.stream = True
+        record.status = 200
+        headers["Content-Type"] = "text/event-stream"
+        headers["Cache-Control"] = "no-cache"
+        response = web.StreamResponse(status=200, headers=headers)
+        await response.prepare(http_request)
+        endpoint = state.endpoint
+        stream = TritonStream(request, request.max_tokens_for(endpoint), accumulates(endpoint))
+        try:
+            async for data in upstream.content.iter_any():
+                out = stream.feed(data)
+                if out:
+                    if record.ttft_ms is None:
+                        record.ttft_ms = (time.monotonic() - started) * 1000.0
+                    await response.write(out)
+                if stream.ended:
+                    break
+            await response.write(stream.finish())
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+            self._midstream(state, record, exc)
+            await response.write(stream.abort(UpstreamFailed(_midstream_message(state))))
+        except TimeoutError as exc:
+            self._midstream(state, record, exc)
+            await response.write(stream.abort(UpstreamTimeout(_midstream_message(state))))
+        except ConnectionResetError:
+            upstream.close()
+            record.status = 499
+            record.error = "client disconnected"
+            return response
+        if stream.error is not None:
+            self._failed(state, "midstream")
+            record.error = f"midstream: {stream.error}"
+        if stream.usage is not None:
+            record.prompt_tokens = stream.usage.prompt_tokens
+            record.completion_tokens = stream.usage.completion_tokens
+        try:
+            await response.write_eof()
+        except ConnectionResetError:
+            record.error = "client disconnected before the end of the stream"
+        return response
+
     def _midstream(self, state: EndpointState, record: AccessRecord, exc: BaseException) -> None:
         self._failed(state, "midstream")
         record.error = f"midstream: {exc!r}"
@@ -333,6 +471,11 @@ class Proxy:
         record.prompt_tokens = usage.prompt_tokens
         record.completion_tokens = usage.completion_tokens
         record.cached_tokens = usage.cached_tokens
+
+
+def _identity_encoding(headers: Mapping[str, str]) -> dict[str, str]:
+    """Translated answers must be read, so they must not come compressed."""
+    return {k: v for k, v in headers.items() if k.lower() != "accept-encoding"}
 
 
 def _midstream_message(state: EndpointState) -> str:

@@ -1,4 +1,5 @@
-"""Running the gateway: uvloop, one listening socket, graceful shutdown on SIGTERM/SIGINT.
+"""Running the gateway: uvloop, one listening socket, graceful shutdown on SIGTERM/SIGINT,
+and reloading the config file on SIGHUP (or when it changes, with `reload.watch`).
 
 On SIGTERM the listening socket closes first (new connections are refused),
 requests still waiting in flow control are turned away with 503, and requests
@@ -19,6 +20,7 @@ from aiohttp import web
 
 from servegate.config import GatewaySettings, ServegateConfig
 from servegate.gateway.app import build_gateway, create_app
+from servegate.gateway.reload import ConfigReloader, ConfigSource
 
 log = logging.getLogger("servegate.server")
 
@@ -46,8 +48,15 @@ async def serve_until_stopped(
     stop: asyncio.Event | None = None,
     drain_timeout_s: float | None = None,
     on_started: Callable[[int], None] | None = None,
+    source: ConfigSource | None = None,
+    reuse_port: bool = False,
 ) -> None:
+    """`source`: where to re-read the config from on SIGHUP; None = no reloading.
+
+    `reuse_port`: several worker processes listen on the same port (SO_REUSEPORT).
+    """
     gw = build_gateway(config, config_dir)
+    reloader = ConfigReloader(gw, source) if source is not None else None
     app = create_app(gw)
     drain = config.gateway.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
     runner = web.AppRunner(
@@ -59,7 +68,12 @@ async def serve_until_stopped(
     )
     await runner.setup()
     site = web.TCPSite(
-        runner, config.gateway.host, config.gateway.port, backlog=4096, reuse_address=True
+        runner,
+        config.gateway.host,
+        config.gateway.port,
+        backlog=4096,
+        reuse_address=True,
+        reuse_port=reuse_port or None,
     )
     await site.start()
     port = runner.addresses[0][1] if runner.addresses else config.gateway.port
@@ -73,6 +87,13 @@ async def serve_until_stopped(
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass
+    if reloader is not None:
+        try:
+            loop.add_signal_handler(signal.SIGHUP, reloader.signal)
+        except (NotImplementedError, RuntimeError, AttributeError):
+            pass
+        if config.reload.watch:
+            reloader.watch(config.reload.interval_s)
     try:
         await stop.wait()
     finally:
@@ -80,6 +101,8 @@ async def serve_until_stopped(
         await runner.cleanup()
 
 
-def run(config: ServegateConfig, config_dir: Path | None = None) -> None:
+def run(
+    config: ServegateConfig, config_dir: Path | None = None, source: ConfigSource | None = None
+) -> None:
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-        runner.run(serve_until_stopped(config, config_dir))
+        runner.run(serve_until_stopped(config, config_dir, source=source))

@@ -100,7 +100,13 @@ class EndpointState:
     ejected_until: float = 0.0
     """Passive health: outlier ejection until this monotonic time."""
     in_flight_requests: int = 0
+    """This router's requests in flight to the endpoint, plus its scale-out peers'."""
     in_flight_tokens: int = 0
+    local_in_flight_requests: int = 0
+    """This process's share of `in_flight_requests` (the rest: `peer_in_flight_requests`)."""
+    local_in_flight_tokens: int = 0
+    peer_in_flight_requests: int = 0
+    peer_in_flight_tokens: int = 0
     last_picked_at: float = 0.0
     served_models: frozenset[str] = frozenset()
     """Model ids from the replica's `/v1/models` (base model and LoRA adapters)."""

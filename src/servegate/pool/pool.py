@@ -27,6 +27,7 @@ class ModelEntry:
 
 Listener = Callable[[str, EndpointState], None]
 StateWatcher = Callable[[EndpointState], None]
+InFlightWatcher = Callable[[EndpointState], None]
 
 
 class Pool:
@@ -39,6 +40,7 @@ class Pool:
         self._models: dict[str, ModelEntry] = {}
         self._listeners: list[Listener] = []
         self._watchers: list[StateWatcher] = []
+        self._in_flight_watchers: list[InFlightWatcher] = []
 
     # -- membership (discovery) -------------------------------------------------
     def subscribe(self, listener: Listener) -> None:
@@ -52,6 +54,10 @@ class Pool:
         on the event loop's thread, so it must be cheap and must not block.
         """
         self._watchers.append(watcher)
+
+    def watch_in_flight(self, watcher: InFlightWatcher) -> None:
+        """`watcher(state)` after this process's in-flight counts change (scale-out sharing)."""
+        self._in_flight_watchers.append(watcher)
 
     def _changed(self, state: EndpointState) -> None:
         for watcher in self._watchers:
@@ -135,12 +141,34 @@ class Pool:
     def acquire(self, state: EndpointState, tokens: int, now: float | None = None) -> None:
         state.in_flight_requests += 1
         state.in_flight_tokens += tokens
+        state.local_in_flight_requests += 1
+        state.local_in_flight_tokens += tokens
         state.picks += 1
         state.last_picked_at = time.monotonic() if now is None else now
+        for watcher in self._in_flight_watchers:
+            watcher(state)
 
     def release(self, state: EndpointState, tokens: int) -> None:
         state.in_flight_requests = max(0, state.in_flight_requests - 1)
         state.in_flight_tokens = max(0, state.in_flight_tokens - tokens)
+        state.local_in_flight_requests = max(0, state.local_in_flight_requests - 1)
+        state.local_in_flight_tokens = max(0, state.local_in_flight_tokens - tokens)
+        for watcher in self._in_flight_watchers:
+            watcher(state)
+
+    def set_peer_in_flight(self, address: str, requests: int, tokens: int) -> None:
+        """Scale-out peers' in-flight work on `address`; the totals scorers read include it."""
+        state = self._states.get(address)
+        if state is None:
+            return
+        state.peer_in_flight_requests = requests
+        state.peer_in_flight_tokens = tokens
+        state.in_flight_requests = state.local_in_flight_requests + requests
+        state.in_flight_tokens = state.local_in_flight_tokens + tokens
+
+    def served_entries(self, address: str) -> tuple[ModelEntry, ...]:
+        """The model entries (with LoRA parents) the endpoint's /v1/models listed."""
+        return tuple(self._discovered.get(address, {}).values())
 
     # -- reads (scheduler, gateway) ---------------------------------------------
     @property

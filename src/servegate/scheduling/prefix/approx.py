@@ -15,7 +15,7 @@ the legacy `blockSize` characters when that llm-d parameter is given.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Self
 
 from pydantic import Field
@@ -32,6 +32,9 @@ from servegate.scheduling.request import LLMRequest
 
 CHARS_PER_TOKEN = 4
 HASHES_KEY = "prefix.approx.hashes"
+
+InsertHook = Callable[[str, Sequence[int], int | None], None]
+"""`hook(address, keys, capacity)` after a routing decision inserts into the index."""
 
 
 class ApproxPrefixParameters(Parameters):
@@ -134,6 +137,8 @@ class PrefixCacheScorer:
         self.name = name
         self.params = params
         self.index = ApproxPrefixIndex(params.lru_capacity_per_server)
+        self.on_insert: InsertHook | None = None
+        """Set by scale-out to share local insertions; remote ones go to `index.insert`."""
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
@@ -182,4 +187,7 @@ class PrefixCacheScorer:
             return
         for state in (decision.endpoint, decision.prefill):
             if state is not None:
-                self.index.insert(state.address, keys, self._capacity(state))
+                capacity = self._capacity(state)
+                self.index.insert(state.address, keys, capacity)
+                if self.on_insert is not None:
+                    self.on_insert(state.address, keys, capacity)

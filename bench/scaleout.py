@@ -1,0 +1,280 @@
+"""Scale-out: throughput and CPU per worker count, and hit rate across replicas (not a test).
+
+    .venv/bin/python bench/scaleout.py                       # both parts
+    .venv/bin/python bench/scaleout.py --part throughput --workers 1,2 --concurrency 32
+    .venv/bin/python bench/scaleout.py --part hitrate --requests 480
+
+Throughput: the fast backend (`servegate.testing.fastbackend`, canned answers) in
+its own process and one `servegate serve --workers N` per N, all started at once;
+rounds alternate between them with the same requests at the same concurrency.
+Reported per N: requests/s, p50 latency, and gateway CPU per request (utime + stime
+of the supervisor and all its workers, /proc/<pid>/stat). This process is the load
+generator and shares the machine's cores with the gateways: state `os.cpu_count()`
+next to the numbers.
+
+Hit rate: 4 simulated replicas (in this process) with small KV caches, shared-prefix
+traffic (`--groups` system prompts whose prefixes together fit the cluster's cache
+but not one replica's, each request a group prefix plus a fresh question), closed-loop
+clients. Three setups on a fresh cluster each, same requests: one gateway; two
+gateways behind a round-robin client without sharing (each has its own
+approximate-prefix index); the same two with `scaleout.bind`/`peers` (insertions and
+in-flight counts shared). Hit rate = prompt tokens found in the replicas' prefix caches
+/ prompt tokens looked up, from the simulators' own counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench_cache_routing import Workload, body, make_workload, snapshot, totals
+from gateway_overhead import (
+    Server,
+    process_tree_cpu_s,
+    requests_for,
+    start_backend,
+    start_gateway,
+)
+from servegate.bench.runner import LoadKind, LoadPoint, SendOptions, run_segment
+from servegate.testing.cluster import SimCluster
+from servegate.testing.gateway import GatewayRunner
+
+MODEL = "sim-model"
+
+# -- throughput -------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    ok: int = 0
+    errors: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    latencies: list[float] | None = None
+
+
+async def throughput(args: argparse.Namespace) -> None:
+    counts = [int(n) for n in args.workers.split(",")]
+    log_dir = Path(tempfile.mkdtemp(prefix="sg-scaleout-"))
+    backend = start_backend(log_dir, 8, 20.0)
+    gateways: dict[int, Server] = {}
+    try:
+        for n in counts:
+            template = (
+                "{python} -m servegate.cli serve -e {backend} --port {port} --host 127.0.0.1"
+                f" --workers {n}"
+            )
+            server, why = await asyncio.to_thread(start_gateway, template, backend, log_dir, 30.0)
+            if server is None:
+                raise RuntimeError(why)
+            gateways[n] = server
+        await asyncio.sleep(2.0)  # every worker up (the probe answered from one)
+        tallies = {n: Tally(latencies=[]) for n in counts}
+        batch = requests_for(args.requests // args.rounds)
+        point = LoadPoint(LoadKind.CONCURRENCY, args.concurrency)
+        options = SendOptions(stream=False, timeout_s=30.0)
+        connector = aiohttp.TCPConnector(limit=0, force_close=args.fresh_connections)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            for server in gateways.values():
+                await run_segment(session, server.url, batch, point, options=options, duration_s=10)
+            for r in range(args.rounds):
+                order = counts if r % 2 == 0 else counts[::-1]
+                for n in order:
+                    server = gateways[n]
+                    before = process_tree_cpu_s(server.process.pid)
+                    seg = await run_segment(
+                        session, server.url, batch, point, options=options, duration_s=60
+                    )
+                    t = tallies[n]
+                    t.cpu_s += process_tree_cpu_s(server.process.pid) - before
+                    t.wall_s += seg.wall_s
+                    t.ok += sum(1 for x in seg.results if x.ok)
+                    t.errors += sum(1 for x in seg.results if not x.ok)
+                    assert t.latencies is not None
+                    t.latencies.extend(x.e2e_s for x in seg.results if x.ok)
+    finally:
+        for server in gateways.values():
+            server.stop()
+        backend.stop()
+    print(
+        f"\n### Throughput: {args.concurrency} concurrent clients, non-streaming, "
+        f"{args.rounds} alternating rounds, {os.cpu_count()} CPU cores shared with the load "
+        "generator and the backend\n"
+    )
+    print(
+        "| workers | requests ok / errors | requests/s | p50 latency (ms) | gateway CPU per request (µs) | req/s vs 1 worker |"
+    )
+    print("|---|---|---|---|---|---|")
+    base = None
+    for n in counts:
+        t = tallies[n]
+        rps = t.ok / t.wall_s if t.wall_s else 0.0
+        base = base or rps
+        p50 = statistics.median(t.latencies or [0.0]) * 1000
+        cpu = t.cpu_s / max(1, t.ok + t.errors) * 1e6
+        print(
+            f"| {n} | {t.ok} / {t.errors} | {rps:.0f} | {p50:.1f} | {cpu:.0f} | {rps / base:.2f}x |"
+        )
+
+
+# -- hit rate ---------------------------------------------------------------------------
+
+
+def sim_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "block_size": 16,
+        "num_blocks": args.num_blocks,
+        "max_model_len": 2048,
+        "speed": args.speed,
+    }
+
+
+def gateway_config(cluster: SimCluster, scaleout: dict[str, Any] | None) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "gateway": {"port": 0, "seed": 7, "access_log": False},
+        "pool": {
+            "scrape_interval_s": 0.05,
+            "health": {"interval_s": 0.1, "timeout_s": 1.0},
+            "endpoints": [{"url": s.url} for s in cluster],
+        },
+    }
+    if scaleout is not None:
+        cfg["scaleout"] = scaleout
+    return cfg
+
+
+def free_tcp() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+async def wait_ready(gw: GatewayRunner, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        pool = gw.gateway.pool
+        if pool.ready_count() == n and all(s.metrics.scraped_at > 0 for s in pool):
+            return
+        await asyncio.sleep(0.02)
+    raise RuntimeError("replicas not ready")
+
+
+async def drive(urls: list[str], workload: Workload, concurrency: int, max_tokens: int) -> int:
+    """Closed-loop clients; request i goes to gateway i mod len(urls) (round robin)."""
+    queue = list(enumerate(workload.requests))
+    queue.reverse()
+    errors = 0
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        nonlocal errors
+        while queue:
+            i, (group, question) = queue.pop()
+            url = urls[i % len(urls)]
+            payload = body(workload, group, question, max_tokens)
+            async with session.post(url + "/v1/chat/completions", json=payload) as resp:
+                await resp.read()
+                errors += resp.status != 200
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+    return errors
+
+
+async def hit_rate_once(
+    args: argparse.Namespace, workload: Workload, replicas: int, share: bool
+) -> tuple[float, list[int], int]:
+    async with SimCluster(args.replicas, base=sim_config(args)) as cluster:
+        binds = [free_tcp() for _ in range(replicas)]
+        runners = []
+        for i in range(replicas):
+            scaleout = {"bind": binds[i], "peers": binds, "heartbeat_s": 0.2} if share else None
+            runners.append(GatewayRunner(gateway_config(cluster, scaleout)))
+        for r in runners:
+            await r.__aenter__()
+        try:
+            for r in runners:
+                await wait_ready(r, args.replicas)
+            await asyncio.sleep(0.5 if share else 0.0)  # peers subscribed
+            before = snapshot(cluster)
+            errors = await drive([r.url for r in runners], workload, args.concurrency, 8)
+            rate, per_replica = totals(cluster, before)
+            return rate, per_replica, errors
+        finally:
+            for r in reversed(runners):
+                await r.__aexit__(None, None, None)
+
+
+async def hit_rates(args: argparse.Namespace) -> None:
+    workload = make_workload(args.groups, args.prefix_words, args.requests, None, args.seed)
+    setups = [("1 replica", 1, False), ("2 replicas, no sharing", 2, False),
+              ("2 replicas, sharing", 2, True)]  # fmt: skip
+    results: dict[str, list[tuple[float, list[int], int]]] = {name: [] for name, _, _ in setups}
+    for _ in range(args.repeats):
+        for name, replicas, share in setups:
+            results[name].append(await hit_rate_once(args, workload, replicas, share))
+    cache = (args.num_blocks - 1) * 16
+    print(
+        f"\n### Hit rate: {args.replicas} simulated replicas x {cache} tokens of KV cache, "
+        f"{args.groups} prefix groups of {args.prefix_words} words, {args.requests} requests, "
+        f"{args.concurrency} clients, round-robin over the gateways, {args.repeats} runs each\n"
+    )
+    print(
+        "| setup | hit rate, median (runs) | vs 1 replica (points) | requests per replica (last run) | errors |"
+    )
+    print("|---|---|---|---|---|")
+    base = statistics.median(r[0] for r in results["1 replica"])
+    for name, _, _ in setups:
+        runs = results[name]
+        med = statistics.median(r[0] for r in runs)
+        each = ", ".join(f"{r[0]:.1%}" for r in runs)
+        print(
+            f"| {name} | {med:.1%} ({each}) | {100 * (med - base):+.1f} | {runs[-1][1]} "
+            f"| {sum(r[2] for r in runs)} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["throughput", "hitrate", "all"], default="all")
+    parser.add_argument("--workers", default="1,2")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--requests", type=int, default=480)
+    parser.add_argument(
+        "--fresh-connections", action="store_true",
+        help="a new connection per request (SO_REUSEPORT spreads connections, not requests)",
+    )  # fmt: skip
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--groups", type=int, default=16)
+    parser.add_argument("--prefix-words", type=int, default=600)
+    parser.add_argument("--num-blocks", type=int, default=240)
+    parser.add_argument("--speed", type=float, default=20.0)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    print(f"# bench/scaleout.py — Python {platform.python_version()}, {os.cpu_count()} cores")
+    print("command: " + " ".join(["python", *sys.argv]))
+    if args.part in ("throughput", "all"):
+        asyncio.run(throughput(args))
+    if args.part in ("hitrate", "all"):
+        hit_args = argparse.Namespace(**vars(args))
+        asyncio.run(hit_rates(hit_args))
+
+
+if __name__ == "__main__":
+    main()

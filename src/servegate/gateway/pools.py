@@ -1,0 +1,277 @@
+"""One pool's runtime: its live state, its scheduler, its flow control, its proxy.
+
+The live part (`PoolState`: the Pool, its data layer, discovery, passive health)
+outlives a reload that leaves the pool's own settings alone; the routing part
+(`PoolRuntime`: scheduler, admission, cache routing, proxy) is rebuilt when its
+picker or flow control change. A request keeps the runtime it started with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from servegate.config import (
+    ConfigError,
+    OutlierDetectionSettings,
+    PoolEntry,
+    PoolSettings,
+    ServegateConfig,
+    read_picker,
+)
+from servegate.datalayer import DataLayer, HealthSettings, ScrapeSettings
+from servegate.datalayer.outlier import OutlierDetector
+from servegate.engines.registry import EngineRegistry
+from servegate.gateway.admission import GatewayAdmission, build_admission
+from servegate.gateway.cache_routing import CacheRouting, build_cache_routing
+from servegate.gateway.chat_template import ChatTemplateError
+from servegate.gateway.disagg import Disaggregator, build_disaggregator
+from servegate.gateway.metrics import GatewayMetrics
+from servegate.gateway.proxy import Proxy
+from servegate.gateway.retry import RetryBudget
+from servegate.gateway.triton import TritonTranslator
+from servegate.pool.discovery import Discovery, start_discovery
+from servegate.pool.pool import Pool
+from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
+from servegate.scheduling.prefix.tokenize import TokenizerError
+from servegate.scheduling.registry import PluginContext
+from servegate.scheduling.scheduler import Scheduler
+
+log = logging.getLogger("servegate.gateway")
+
+POOL_LABEL = "inference_pool"
+
+
+@dataclass(slots=True, eq=False)
+class PoolState:
+    """The pool and what keeps it fresh; shared by the runtimes built over it."""
+
+    settings: PoolSettings
+    outlier_settings: OutlierDetectionSettings
+    pool: Pool
+    engines: EngineRegistry
+    outlier: OutlierDetector
+    datalayer: DataLayer | None = None
+    discovery: Discovery | None = None
+    started: bool = False
+
+    def same_as(self, settings: PoolSettings, outlier: OutlierDetectionSettings) -> bool:
+        return self.settings == settings and self.outlier_settings == outlier
+
+    async def start(self, control: aiohttp.ClientSession) -> None:
+        if self.started:
+            return
+        self.started = True
+        if self.datalayer is None:
+            self.datalayer = build_pool_datalayer(self.settings, self.pool, control, self.engines)
+        await self.datalayer.start()
+        self.discovery = await start_discovery(self.settings.discovery, self.pool)
+
+    async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
+            self.discovery = None
+        if self.datalayer is not None:
+            await self.datalayer.stop()
+        self.started = False
+
+
+def build_pool_datalayer(
+    settings: PoolSettings, pool: Pool, session: aiohttp.ClientSession, engines: EngineRegistry
+) -> DataLayer:
+    return DataLayer(
+        pool,
+        session,
+        engines,
+        scrape=ScrapeSettings(
+            interval=settings.scrape_interval_s, timeout=settings.scrape_timeout_s
+        ),
+        health=HealthSettings(
+            interval=settings.health.interval_s,
+            timeout=settings.health.timeout_s,
+            failure_threshold=settings.health.failure_threshold,
+            success_threshold=settings.health.success_threshold,
+            models_every=settings.health.models_refresh_every,
+        ),
+    )
+
+
+def build_pool_state(
+    settings: PoolSettings, outlier: OutlierDetectionSettings, metrics: GatewayMetrics
+) -> PoolState:
+    pool = Pool(settings.name, staleness=settings.metrics_staleness_s)
+    engines = EngineRegistry()
+    for doc in settings.engines:
+        engines.add_custom(doc)
+    for declared in settings.models:
+        pool.declare_model(declared.id, declared.parent)
+    for endpoint_cfg in settings.endpoints:
+        endpoint = endpoint_cfg.to_endpoint(settings.name)
+        engines.get(endpoint.engine)
+        pool.add(endpoint)
+    detector = OutlierDetector(
+        pool, outlier, on_eject=lambda state, _s: metrics.ejections.labels(state.address).inc()
+    )
+    return PoolState(settings, outlier, pool, engines, detector)
+
+
+@dataclass(slots=True, eq=False)
+class PoolRuntime:
+    """Everything the request path needs for one pool."""
+
+    entry: PoolEntry
+    state: PoolState
+    scheduler: Scheduler
+    admission: GatewayAdmission
+    cache_routing: CacheRouting
+    picker_doc: Mapping[str, Any] | str | None
+    registry: CollectorRegistry
+    key: tuple[Any, ...]
+    triton: TritonTranslator | None = None
+    proxy: Proxy | None = None
+    disagg: Disaggregator | None = None
+    in_flight: int = 0
+    started: bool = False
+    _idle: asyncio.Event | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def pool(self) -> Pool:
+        return self.state.pool
+
+    def enter(self) -> None:
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight <= 0 and self._idle is not None:
+            self._idle.set()
+
+    async def start(
+        self,
+        config: ServegateConfig,
+        session: aiohttp.ClientSession,
+        control: aiohttp.ClientSession,
+        metrics: GatewayMetrics,
+        budget: RetryBudget | None,
+    ) -> None:
+        if self.started:
+            return
+        self.started = True
+        await self.state.start(control)
+        await self.cache_routing.start(session)
+        self.proxy = Proxy(
+            session, config.gateway, self.pool, metrics, self.state.outlier, budget, self.triton
+        )
+        self.disagg = build_disaggregator(
+            config.gateway, config.disaggregation, self.scheduler.plugins, self.proxy, session,
+            self.pool, metrics,
+        )  # fmt: skip
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait until no request uses this runtime (or the timeout); True when idle."""
+        if self.in_flight <= 0:
+            return True
+        self._idle = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def stop(self, keep_state: bool) -> None:
+        self.started = False
+        self.admission.close()
+        await self.cache_routing.stop()
+        if not keep_state:
+            await self.state.stop()
+
+
+def build_runtime(
+    config: ServegateConfig,
+    entry: PoolEntry,
+    metrics: GatewayMetrics,
+    config_dir: Path | None = None,
+    previous: Iterable[PoolRuntime] = (),
+) -> PoolRuntime:
+    """A runtime for `entry`, reusing a previous one (or its live state) when nothing it
+    depends on changed. Raises on bad settings before anything is started."""
+    settings = entry.base()
+    picker_doc = read_picker(entry.picker, config_dir)
+    state: PoolState | None = None
+    for old in previous:
+        if old.name != entry.name or not old.state.same_as(settings, config.outlier_detection):
+            continue
+        state = old.state
+        key = _runtime_key(config, entry, picker_doc)
+        if old.key == key:
+            return old
+    if state is None:
+        state = build_pool_state(settings, config.outlier_detection, metrics)
+    scheduler = load_picker_config(
+        picker_doc if picker_doc is not None else DEFAULT_PICKER_CONFIG,
+        PluginContext(staleness_s=settings.metrics_staleness_s),
+    )
+    try:
+        triton = TritonTranslator.from_pool(settings, config_dir)
+    except (ChatTemplateError, TokenizerError) as exc:
+        raise ConfigError(f"pool {entry.name!r}: {exc}") from exc
+    registry = CollectorRegistry(auto_describe=True)
+    flow = entry.flow_control or config.flow_control
+    admission = build_admission(flow, state.pool, registry, picker_doc, scheduler.plugins)
+    cache = build_cache_routing(
+        config.model_copy(update={"pool": settings}), state.pool, scheduler, registry
+    )
+    return PoolRuntime(
+        entry=entry,
+        state=state,
+        scheduler=scheduler,
+        admission=admission,
+        cache_routing=cache,
+        triton=triton,
+        picker_doc=picker_doc,
+        registry=registry,
+        key=_runtime_key(config, entry, picker_doc),
+    )
+
+
+def _runtime_key(
+    config: ServegateConfig, entry: PoolEntry, picker_doc: Mapping[str, Any] | str | None
+) -> tuple[Any, ...]:
+    return (entry, repr(picker_doc), config.gateway, config.disaggregation)
+
+
+class RuntimeCollector(Collector):
+    """Each runtime's own metrics (flow control, KV events), labelled with its pool."""
+
+    def __init__(self, runtimes: Any) -> None:
+        self._runtimes = runtimes
+
+    def collect(self) -> Iterable[Metric]:
+        families: dict[str, Metric] = {}
+        runtimes: Iterable[PoolRuntime] = self._runtimes()
+        for runtime in runtimes:
+            for family in runtime.registry.collect():
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(
+                        family.name, family.documentation, family.type, family.unit
+                    )
+                for sample in family.samples:
+                    labels = sample.labels
+                    if POOL_LABEL not in labels:
+                        labels = {**labels, POOL_LABEL: runtime.name}
+                    merged.samples.append(sample._replace(labels=labels))
+        yield from families.values()

@@ -1,0 +1,81 @@
+"""Approximate-prefix insertions shared between processes.
+
+After each routing decision the `prefix-cache-scorer` inserts the prompt's block
+keys into its index and calls its `on_insert` hook; here the insertion is
+buffered (coalesced over `coalesce_s`) and published. A receiver inserts the
+same keys into the scorer of the same pool and plugin name, without publishing
+them again. Insertions made before a process joined are not replayed: a new
+worker or replica warms up from live traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+
+from servegate.scaleout.bus import Bus
+from servegate.scaleout.codec import PREFIX, Message, PrefixInsert
+from servegate.scaleout.settings import ScaleOutSettings
+from servegate.scheduling.prefix.approx import InsertHook, PrefixCacheScorer
+from servegate.scheduling.scheduler import Scheduler
+
+MAX_BATCH = 64
+
+
+class PrefixSharing:
+    def __init__(self, bus: Bus, settings: ScaleOutSettings) -> None:
+        self.bus = bus
+        self.settings = settings
+        self.scorers: dict[tuple[str, str], PrefixCacheScorer] = {}
+        self.applied = 0
+        self.unmatched = 0
+        self._pending: dict[str, list[PrefixInsert]] = {}
+        self._flush: asyncio.TimerHandle | None = None
+        bus.on(PREFIX, self.on_insertions)
+
+    def attach(self, runtimes: Iterable[tuple[str, Scheduler]]) -> None:
+        """Hook every approximate prefix scorer of each pool's scheduler (again after a reload)."""
+        scorers: dict[tuple[str, str], PrefixCacheScorer] = {}
+        for pool_name, scheduler in runtimes:
+            for plugin in scheduler.plugins.values():
+                if isinstance(plugin, PrefixCacheScorer):
+                    plugin.on_insert = self._hook(pool_name, plugin.name)
+                    scorers[(pool_name, plugin.name)] = plugin
+        self.scorers = scorers
+
+    def stop(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        for scorer in self.scorers.values():
+            scorer.on_insert = None
+
+    def _hook(self, pool_name: str, plugin: str) -> InsertHook:
+        def inserted(address: str, keys: Sequence[int], capacity: int | None) -> None:
+            batch = self._pending.setdefault(pool_name, [])
+            batch.append(PrefixInsert(plugin, address, capacity, tuple(keys)))
+            if len(batch) >= MAX_BATCH:
+                self.flush()
+            elif self._flush is None:
+                loop = asyncio.get_running_loop()
+                self._flush = loop.call_later(self.settings.coalesce_s, self.flush)
+
+        return inserted
+
+    def flush(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        pending, self._pending = self._pending, {}
+        for pool_name, batch in pending.items():
+            self.bus.publish(Message(PREFIX, self.bus.origin, pool_name, tuple(batch)))
+
+    def on_insertions(self, msg: Message) -> None:
+        for item in msg.body or ():
+            assert isinstance(item, PrefixInsert)
+            scorer = self.scorers.get((msg.pool, item.plugin))
+            if scorer is None:
+                self.unmatched += 1
+                continue
+            scorer.index.insert(item.address, item.keys, item.capacity)
+            self.applied += 1

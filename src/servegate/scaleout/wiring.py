@@ -1,0 +1,191 @@
+"""Starting and stopping scale-out inside one gateway process.
+
+A process shares state when a supervisor started it as a worker (the
+`SERVEGATE_WORKER` environment variable: the host hub's bus) or when
+`scaleout.bind` is set (a single-process replica: its own bus to its peers).
+Otherwise `start_scaleout` returns None and nothing changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from servegate.pool.pool import Pool
+from servegate.scaleout.bus import Bus
+from servegate.scaleout.codec import GONE, Message
+from servegate.scaleout.follower import followers, install_followers
+from servegate.scaleout.inflight import InFlightSharing
+from servegate.scaleout.metrics import MetricsSharing
+from servegate.scaleout.prefix import PrefixSharing
+from servegate.scaleout.replica import ReplicaLink
+from servegate.scaleout.report import NOT_SHARED, SCALEOUT, ScaleOutCollector
+from servegate.scaleout.settings import ScaleOutSettings, WorkerIdentity
+from servegate.scheduling.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from servegate.gateway.app import Gateway
+
+log = logging.getLogger("servegate.scaleout")
+
+
+def default_replica_id() -> str:
+    host = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname())
+    return f"{host[:40] or 'replica'}-{secrets.token_hex(3)}"
+
+
+def _runtimes(gw: Gateway) -> list[tuple[str, Pool, Scheduler]]:
+    """Every pool runtime's name, pool and scheduler: the one place that reads them."""
+    return [(rt.name, rt.pool, rt.scheduler) for rt in gw.pool_runtimes()]
+
+
+def _pools(gw: Gateway) -> list[Pool]:
+    unique = {id(pool): pool for _, pool, _ in _runtimes(gw)}
+    return list(unique.values())
+
+
+class ScaleOut:
+    def __init__(
+        self,
+        gw: Gateway,
+        settings: ScaleOutSettings,
+        bus: Bus,
+        mode: str,
+        leader: bool,
+        link: ReplicaLink | None = None,
+    ) -> None:
+        self.gw = gw
+        self.settings = settings
+        self.bus = bus
+        self.mode = mode
+        self.link = link
+
+        def pools() -> list[Pool]:
+            return _pools(gw)
+
+        self.inflight = InFlightSharing(bus, settings, pools)
+        self.prefix = PrefixSharing(bus, settings)
+        self.metrics = MetricsSharing(
+            bus, settings, leader, pools, self._set_scraping, share=mode == "worker"
+        )
+        self._collector = ScaleOutCollector(self)
+        self._stopping: list[asyncio.Task[None]] = []
+
+    @property
+    def origin(self) -> str:
+        return self.bus.origin
+
+    @property
+    def leads_scrapes(self) -> bool:
+        """False for a follower worker: its data layer stays idle while the leader's arrive."""
+        return self.metrics.scrapes
+
+    async def _set_scraping(self, on: bool) -> None:
+        for datalayer in followers(self.gw):
+            await (datalayer.activate() if on else datalayer.deactivate())
+
+    async def start(self) -> None:
+        if not self.metrics.leader:
+            install_followers(self.gw)
+        if self.link is not None:
+            await self.link.start()
+        self.prefix.attach((name, scheduler) for name, _, scheduler in _runtimes(self.gw))
+        self.bus.start()
+        self.inflight.start()
+        self.metrics.start()
+        self.gw.metrics.registry.register(self._collector)
+        listeners = getattr(self.gw, "reload_listeners", None)
+        if listeners is not None:
+            listeners.append(self.reattach)
+        log.info(
+            "scale-out started",
+            extra={"fields": {"origin": self.origin, "mode": self.mode,
+                              "scrapes": self.leads_scrapes}},
+        )  # fmt: skip
+
+    def reattach(self, gw: Gateway) -> None:
+        """After a config reload swapped schedulers or pools: hook the new ones."""
+        self.prefix.attach((name, scheduler) for name, _, scheduler in _runtimes(gw))
+        if not self.metrics.leader:
+            self._stopping.extend(install_followers(gw))
+            if self.metrics.taken_over:
+                loop = asyncio.get_running_loop()
+                self._stopping.append(loop.create_task(self._set_scraping(True)))
+        self.inflight.attach()
+        self.metrics.attach()
+
+    async def stop(self) -> None:
+        listeners = getattr(self.gw, "reload_listeners", None)
+        if listeners is not None and self.reattach in listeners:
+            listeners.remove(self.reattach)
+        self.gw.metrics.registry.unregister(self._collector)
+        self.prefix.stop()
+        await self.metrics.stop()
+        await self.inflight.stop()
+        self.bus.publish(Message(GONE, self.origin, "*"))
+        await self.bus.stop()
+        await asyncio.gather(*self._stopping, return_exceptions=True)
+        if self.link is not None:
+            await self.link.stop()
+
+    def describe(self, now: float) -> dict[str, Any]:
+        pools: dict[str, Any] = {}
+        for pool in _pools(self.gw):
+            pools[pool.name] = {
+                s.address: {
+                    "local": [s.local_in_flight_requests, s.local_in_flight_tokens],
+                    "peer": [s.peer_in_flight_requests, s.peer_in_flight_tokens],
+                    "total": [s.in_flight_requests, s.in_flight_tokens],
+                }
+                for s in pool
+            }
+        return {
+            "enabled": True,
+            "pid": os.getpid(),
+            "origin": self.origin,
+            "mode": self.mode,
+            "leader": self.metrics.leader,
+            "scrapes": self.metrics.scrapes,
+            "takeovers": self.metrics.takeovers,
+            "peers": {
+                origin: {"age_s": round(now - view.last_seen, 3)}
+                for origin, view in sorted(self.inflight.peers.items())
+            },
+            "replica_peers": sorted(self.link.connected) if self.link is not None else [],
+            "in_flight": pools,
+            "prefix": {
+                f"{pool}/{plugin}": {"blocks": len(scorer.index)}
+                for (pool, plugin), scorer in sorted(self.prefix.scorers.items())
+            },
+            "prefix_applied": self.prefix.applied,
+            "prefix_unmatched": self.prefix.unmatched,
+            "released": {"expired": self.inflight.expired, "gone": self.inflight.departed},
+            "bus": self.bus.stats.as_dict(),
+            "not_shared": list(NOT_SHARED),
+        }
+
+
+async def start_scaleout(gw: Gateway, app: web.Application | None = None) -> ScaleOut | None:
+    """Join the host's workers and/or peer replicas; None when this process runs alone."""
+    settings = gw.config.scaleout
+    identity = WorkerIdentity.from_env()
+    if identity is not None:
+        bus = Bus.worker(identity.origin, identity.hub_in, identity.hub_out)
+        scaleout = ScaleOut(gw, settings, bus, "worker", identity.leader)
+    elif settings.replicates:
+        link = ReplicaLink(settings)
+        replica_id = settings.replica_id or default_replica_id()
+        bus = Bus(f"{replica_id}/0", link.pub, link.sub)
+        scaleout = ScaleOut(gw, settings, bus, "replica", True, link)
+    else:
+        return None
+    await scaleout.start()
+    if app is not None and SCALEOUT in app:
+        app[SCALEOUT].current = scaleout
+    return scaleout
