@@ -77,3 +77,23 @@ $(ENGINE_STAMP): pyproject.toml
 .PHONY: test-engine
 test-engine: $(ENGINE_STAMP)
 	$(ENGINE_PY) -m pytest tests/engine -m engine $(ENGINE_ARGS)
+
+# Backends tier (issue 12): servegate on Ray Serve and as a Bento, in their own venv
+# (Ray and BentoML stay out of `make test`'s); see docs/backends.md.
+BACKENDS_VENV ?= .venv-backends
+BACKENDS_PY   := $(BACKENDS_VENV)/bin/python
+BACKENDS_REQS := ray[serve]==2.60.0 bentoml==1.4.40 setuptools>=69 wheel
+BACKENDS_STAMP := $(BACKENDS_VENV)/.installed-$(shell (cat pyproject.toml; echo '$(BACKENDS_REQS)') | cksum | cut -d' ' -f1)
+BACKENDS_ARGS ?=
+
+$(BACKENDS_STAMP): pyproject.toml
+	test -x $(BACKENDS_PY) || $(PYTHON) -m venv $(BACKENDS_VENV)
+	$(BACKENDS_PY) -m pip install --quiet --upgrade pip
+	$(BACKENDS_PY) -m pip install --quiet $(foreach r,$(BACKENDS_REQS),'$(r)') -e '.[test]'
+	$(BACKENDS_PY) -c 'import ray, bentoml; print("ray", ray.__version__, "bentoml", bentoml.__version__)'
+	rm -f $(BACKENDS_VENV)/.installed-*
+	touch $@
+
+.PHONY: test-backends
+test-backends: $(BACKENDS_STAMP)
+	$(BACKENDS_PY) -m pytest tests/backends -m backends $(BACKENDS_ARGS)

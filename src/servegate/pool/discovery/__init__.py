@@ -1,7 +1,8 @@
 """Discovery: what puts endpoints into the pool and takes them out.
 
 `static` is the config file's `pool.endpoints`, added once by the gateway at
-startup. `kubernetes` follows pods (or an InferencePool) while the gateway runs.
+startup. `kubernetes` follows pods (or an InferencePool) while the gateway runs;
+`ray` follows the model-server replicas of a Ray Serve application.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from servegate.pool.discovery.settings import (
     DiscoverySettings,
     KubernetesDiscoverySettings,
     LabelSelector,
+    RayDiscoverySettings,
     StaticDiscoverySettings,
 )
 from servegate.pool.pool import Pool
@@ -21,6 +23,7 @@ __all__ = [
     "DiscoverySettings",
     "KubernetesDiscoverySettings",
     "LabelSelector",
+    "RayDiscoverySettings",
     "StaticDiscoverySettings",
     "start_discovery",
 ]
@@ -39,6 +42,12 @@ async def start_discovery(settings: DiscoverySettings, pool: Pool) -> Discovery 
     told to watch a cluster it cannot reach must not start as if it had no pods.
     An API server that is down or refuses is retried with backoff instead.
     """
+    if isinstance(settings, RayDiscoverySettings):
+        from servegate.pool.discovery.ray import RayDiscovery, ServeRegistrySource
+
+        ray_discovery = RayDiscovery(settings, pool, ServeRegistrySource(settings))
+        await ray_discovery.start()
+        return ray_discovery
     if not isinstance(settings, KubernetesDiscoverySettings):
         return None
     from servegate.config import ConfigError

@@ -14,6 +14,11 @@ target ports written here or by reading an `InferencePool` object::
 
     pool:
       discovery: {kind: kubernetes, inference_pool: qwen-pool}
+
+`ray` follows the model-server replicas of a Ray Serve application (deploy/ray)::
+
+    pool:
+      discovery: {kind: ray, registry: ReplicaRegistry}
 """
 
 from __future__ import annotations
@@ -152,6 +157,19 @@ class KubernetesDiscoverySettings(_Strict):
         return self
 
 
+class RayDiscoverySettings(_Strict):
+    """Model-server replicas of a Ray Serve application (deploy/ray, docs/backends.md)."""
+
+    kind: Literal["ray"]
+    app: str | None = None
+    """The Serve application holding the registry; None = the gateway replica's own."""
+    registry: str = Field("ReplicaRegistry", min_length=1)
+    """The registry deployment the model-server replicas report their addresses to."""
+    poll_interval_s: float = Field(1.0, gt=0)
+    request_timeout_s: float = Field(5.0, gt=0)
+
+
 DiscoverySettings = Annotated[
-    StaticDiscoverySettings | KubernetesDiscoverySettings, Field(discriminator="kind")
+    StaticDiscoverySettings | KubernetesDiscoverySettings | RayDiscoverySettings,
+    Field(discriminator="kind"),
 ]
