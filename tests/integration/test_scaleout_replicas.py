@@ -168,3 +168,45 @@ async def test_a_silent_replica_is_expired_and_its_counts_released(
             (await task).release()
         finally:
             await gb.__aexit__(None, None, None)
+
+
+async def test_replicas_find_each_other_through_a_dns_name(
+    sims: SimCluster, session: aiohttp.ClientSession
+) -> None:
+    """`peer_service` resolves to A records (here `localhost` → 127.0.0.1); each replica
+    listens on the port the other resolves its name with, and no static peer is listed."""
+    port_a, port_b = free_port(), free_port()
+
+    def config(port: int, peer_port: int) -> dict[str, Any]:
+        cfg = replica_config(sims.urls, f"tcp://127.0.0.1:{port}", [])
+        cfg["scaleout"] |= {"peer_service": "localhost", "peer_port": peer_port}
+        return cfg
+
+    async with (
+        GatewayRunner(config(port_a, port_b)) as ga,
+        GatewayRunner(config(port_b, port_a)) as gb,
+    ):
+        await wait_ready(ga, 2)
+        await wait_ready(gb, 2)
+        for gw, other in ((ga, port_b), (gb, port_a)):
+            link = scaleout(gw).link
+            assert link is not None
+            assert link.settings.peers == ()
+            assert link.connected == {f"tcp://127.0.0.1:{other}"}
+            assert link.lookup_failures == 0
+        await wait_for(
+            lambda: (
+                list(scaleout(ga).inflight.peers) == [scaleout(gb).origin]
+                and list(scaleout(gb).inflight.peers) == [scaleout(ga).origin]
+            ),
+            what="replicas hear each other through the name",
+        )
+        async with session.post(
+            gb.url + "/v1/chat/completions", json=chat(LONG_PROMPT, max_tokens=1)
+        ) as resp:
+            assert resp.status == 200
+        inserted = approx_blocks(gb)
+        assert inserted > 0
+        await wait_for(
+            lambda: approx_blocks(ga) == inserted, timeout=3.0, what="A inserts B's blocks"
+        )

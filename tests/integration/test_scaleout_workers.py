@@ -7,15 +7,27 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import yaml
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 from servegate.testing.cluster import SimCluster
-from tests.integration.conftest import FAST_SIM, chat, gateway_config
+from tests.integration.conftest import (
+    FAST_SIM,
+    MODEL,
+    chat,
+    gateway_config,
+    single_scorer_picker,
+)
+from tests.integration.model_routing_helpers import split
 from tests.integration.subprocess_gateway import SubprocessGateway
 
 SLOW_SIM = {**FAST_SIM, "speed": 0.05}
@@ -139,3 +151,235 @@ async def test_in_flight_is_shared_and_a_killed_worker_is_replaced_and_released(
         with contextlib.suppress(BaseException):
             (await task).release()
         await session.close()
+
+
+# -- leader takeover in live processes ---------------------------------------------------
+
+SCRAPE_S = 0.2
+TAKEOVER = {
+    "workers": 2,
+    "heartbeat_s": 0.1,
+    "expiry_s": 1.0,
+    "leader_takeover_s": 0.5,
+    "restart_backoff_s": 2.0,
+}
+
+
+class ScrapeCounter(Collector):
+    """Counts renders of a simulator's registry: one per GET of its /metrics."""
+
+    def __init__(self) -> None:
+        self.hits = 0
+
+    def collect(self) -> Iterable[Metric]:
+        self.hits += 1
+        return ()
+
+
+async def one_process_view(url: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """/admin/scaleout and /admin/pools over one kept-alive connection, so from one
+    worker; None when the two answers came from different pids (a reconnect)."""
+    connector = aiohttp.TCPConnector(limit=1)
+    timeout = aiohttp.ClientTimeout(total=3.0)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        docs = []
+        for path in ("/admin/scaleout", "/admin/pools", "/admin/scaleout"):
+            async with session.get(url + path, headers=ADMIN) as resp:
+                docs.append(await resp.json())
+    first, pools, last = docs
+    return (first, pools) if first["pid"] == last["pid"] else None
+
+
+def fresh(pools: dict[str, Any], within_s: float) -> bool:
+    endpoints = [e for p in pools["pools"] for e in p["endpoints"]]
+    return bool(endpoints) and all(
+        e["available"] and e["metrics"]["age_s"] is not None and e["metrics"]["age_s"] < within_s
+        for e in endpoints
+    )
+
+
+async def wait_view(
+    url: str, done: Callable[[dict[str, Any], dict[str, Any]], bool], what: str, timeout: float
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    last: tuple[dict[str, Any], dict[str, Any]] | None = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+            last = await one_process_view(url)
+            if last is not None and done(*last):
+                return last
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}; last view: {last}")
+
+
+async def watch_endpoints(url: str, pid: int, lapses: list[Any]) -> None:
+    """Record every view of worker `pid` in which an endpoint is unavailable or unscraped."""
+    while True:
+        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+            view = await one_process_view(url)
+            if view is not None and view[0]["pid"] == pid and not fresh(view[1], 2.0):
+                lapses.append(
+                    [
+                        (e["address"], e["healthy"], e["metrics"]["age_s"])
+                        for p in view[1]["pools"]
+                        for e in p["endpoints"]
+                    ]
+                )
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def takeover_workers(sims: SimCluster) -> AsyncIterator[SubprocessGateway]:
+    cfg = gateway_config(sims.urls, admin_keys=["admin-key"], host="127.0.0.1")
+    cfg["pool"]["scrape_interval_s"] = SCRAPE_S
+    cfg["scaleout"] = TAKEOVER
+    async with SubprocessGateway(cfg, ready_endpoints=2) as gw:
+        yield gw
+
+
+async def test_a_follower_takes_over_scraping_from_a_killed_leader_and_hands_back(
+    sims: SimCluster, takeover_workers: SubprocessGateway
+) -> None:
+    url = takeover_workers.url
+    views = await poll_workers(url, paired, "two workers hearing each other", 20.0)
+    leader = next(pid for pid, v in views.items() if v["leader"])
+    follower = next(pid for pid in views if pid != leader)
+    assert views[follower]["scrapes"] is False
+
+    os.kill(leader, signal.SIGKILL)
+    # until the supervisor restarts worker 0 (restart_backoff_s), only the follower listens
+    doc, _ = await wait_view(
+        url,
+        lambda d, p: d["pid"] == follower and d["scrapes"] and fresh(p, 4 * SCRAPE_S),
+        "the follower scraping on its own, its endpoints fresh",
+        TAKEOVER["restart_backoff_s"] + 1.0,
+    )
+    assert doc["takeovers"] == 1
+
+    # through the leader's restart the follower never loses its endpoints
+    lapses: list[Any] = []
+    watch = asyncio.create_task(watch_endpoints(url, follower, lapses))
+    try:
+        views = await poll_workers(
+            url,
+            lambda v: len(v) == 2 and leader not in v
+            and sorted((x["leader"], x["scrapes"]) for x in v.values())
+            == [(False, False), (True, True)],
+            "a restarted leader scraping and the follower handing back",
+            20.0,
+        )  # fmt: skip
+        for _ in range(10):  # both workers, after the hand-back
+            await wait_view(url, lambda d, p: fresh(p, 4 * SCRAPE_S), "fresh endpoints", 5.0)
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+    assert not lapses, lapses[:3]
+
+    counters = [ScrapeCounter() for _ in sims]
+    for sim, counter in zip(sims, counters, strict=True):
+        sim.state.registry.register(counter)
+    window_s = 2.0
+    await asyncio.sleep(window_s)
+    hits = [c.hits for c in counters]
+    one_scraper = window_s / SCRAPE_S + 2
+    assert all(1 <= h <= one_scraper for h in hits), (hits, one_scraper)
+
+
+# -- reload under the supervisor ----------------------------------------------------------
+
+
+class WorkersFlagGateway(SubprocessGateway):
+    """`servegate serve --workers 2 --config F`: the worker count from the command line."""
+
+    @property
+    def config_path(self) -> Path:
+        return self.log_path.parent / "gateway.yaml"
+
+    def rewrite(self, config: dict[str, Any]) -> None:
+        tmp = self.config_path.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump({**config, "gateway": self.config["gateway"]}))
+        tmp.replace(self.config_path)
+
+    async def __aenter__(self) -> WorkersFlagGateway:
+        self.config_path.write_text(yaml.safe_dump(self.config))
+        with self.log_path.open("wb") as log:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "servegate.cli", "serve", "--workers", "2",
+                "--config", str(self.config_path),
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=log,
+            )  # fmt: skip
+        try:
+            await self._wait_ready(30.0)
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+
+def reload_config(urls: list[str], **extra: Any) -> dict[str, Any]:
+    cfg = gateway_config(urls, admin_keys=["admin-key"], host="127.0.0.1")
+    cfg["scaleout"] = {"heartbeat_s": 0.1, "expiry_s": 1.0}
+    return {**cfg, **extra}
+
+
+async def views_per_worker(
+    url: str, done: Callable[[dict[str, Any], dict[str, Any]], bool], what: str, timeout: float
+) -> dict[int, tuple[dict[str, Any], dict[str, Any]]]:
+    """Per live worker, its latest (/admin/scaleout, /admin/pools), until `done` holds for two."""
+    views: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+            view = await one_process_view(url)
+            if view is not None:
+                views[view[0]["pid"]] = view
+        live = {pid: v for pid, v in views.items() if _alive(pid)}
+        if len(live) == 2 and all(done(*v) for v in live.values()):
+            return live
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}; last views: {views}")
+
+
+async def test_sighup_reloads_every_worker_and_prefix_sharing_follows_the_new_scheduler(
+    sims: SimCluster,
+) -> None:
+    async with WorkersFlagGateway(reload_config(sims.urls), ready_endpoints=2) as gw:
+        await poll_workers(gw.url, paired, "two workers hearing each other", 20.0)
+        async with aiohttp.ClientSession() as session:
+            async with session.post(
+                gw.url + "/v1/chat/completions", json=chat(LONG_PROMPT, max_tokens=1)
+            ) as resp:
+                assert resp.status == 200
+            await views_per_worker(
+                gw.url, lambda d, p: blocks(d) > 0, "blocks in both before the reload", 10.0
+            )
+
+            gw.rewrite(
+                reload_config(
+                    sims.urls,
+                    picker=single_scorer_picker("prefix-cache-scorer"),
+                    model_rewrites=[split("chat", {MODEL: 1})],
+                )
+            )
+            os.kill(gw.pid, signal.SIGHUP)
+            # a new scheduler has a new, empty index: both workers rebuilt theirs
+            await views_per_worker(
+                gw.url,
+                lambda d, p: "chat" in p["model_rewrites"] and blocks(d) == 0,
+                "both workers on the new config",
+                15.0,
+            )
+
+            async with session.post(
+                gw.url + "/v1/chat/completions",
+                json={**chat("another prompt " * 40, max_tokens=1), "model": "chat"},
+            ) as resp:
+                assert resp.status == 200
+            views = await views_per_worker(
+                gw.url,
+                lambda d, p: blocks(d) > 0,
+                "the insertion after the reload in both workers",
+                10.0,
+            )
+        assert len({blocks(d) for d, _ in views.values()}) == 1
+        assert sum(d["prefix_applied"] for d, _ in views.values()) > 0

@@ -225,6 +225,28 @@ async def test_a_leader_publishes_what_the_data_layer_writes(bus: RecordingBus) 
     await leader.stop()
 
 
+async def test_a_restarted_leader_withholds_endpoints_it_has_not_probed_until_warm(
+    bus: RecordingBus,
+) -> None:
+    pool = make_pool()
+    clock = Clock()
+
+    async def never(on: bool) -> None:
+        raise AssertionError("a leader never takes over")
+
+    leader = MetricsSharing(bus, SETTINGS, True, lambda: [pool], never, clock)
+    leader.publish(pool, pool)
+    pool.set_metrics(A, EndpointMetrics(waiting=2.0, scraped_at=1.0))
+    leader.publish(pool, pool)
+    pool.set_health(A, True)
+    leader.publish(pool, pool)
+    clock.now += SETTINGS.leader_takeover_s
+    leader.publish(pool, pool)
+    sent = [[(r.address, r.healthy) for r in m.body or () if isinstance(r, EndpointReport)]
+            for m in bus.published]  # fmt: skip
+    assert sent == [[], [], [(A, True)], [(A, True), (B, False)]]
+
+
 async def test_a_follower_takes_over_when_the_leader_is_silent_and_hands_back(
     bus: RecordingBus,
 ) -> None:

@@ -4,7 +4,10 @@ The leader (worker 0) runs the data layer as a single process would and
 publishes what it learns: the endpoints written since the last message
 (coalesced), and every endpoint every `heartbeat_s` (with the served models,
 which change rarely). Followers start no scrapes or health probes and apply
-these instead. A follower that hears nothing for `leader_takeover_s` (the leader
+these instead. A leader that has just (re)started withholds an endpoint until it
+has probed it healthy and scraped it, for at most `leader_takeover_s`: its blank
+state would otherwise mark every endpoint down in followers that still know better.
+A follower that hears nothing for `leader_takeover_s` (the leader
 died and is being restarted) starts its own data layer, and stops it again when
 the leader is back. Metrics stay on the host: every replica scrapes for itself.
 """
@@ -65,7 +68,7 @@ class MetricsSharing:
         self._pools = pools
         self._set_scraping = set_scraping
         self._clock = clock
-        self.last_heard = clock()
+        self.last_heard = self._started = clock()
         self.applied = 0
         self.taken_over = False
         self.takeovers = 0
@@ -123,7 +126,10 @@ class MetricsSharing:
                 self.publish(pool, states)
 
     def publish(self, pool: Pool, states: Iterable[EndpointState]) -> None:
-        body = tuple(report(pool, s) for s in states)
+        warm = self._clock() - self._started >= self.settings.leader_takeover_s
+        body = tuple(
+            report(pool, s) for s in states if warm or (s.healthy and s.metrics.scraped_at > 0)
+        )
         self.bus.publish(Message(METRICS, self.bus.origin, pool.name, body))
 
     async def _heartbeat(self) -> None:
