@@ -38,12 +38,24 @@ from typing import Any
 import aiohttp
 import yaml
 
+from prefix_workload import (
+    MODEL,
+    Workload,
+    body,
+    drive,
+    gateway_config,
+    make_workload,
+    sim_config,
+    snapshot,
+    totals,
+    wait_ready,
+    words,
+)
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG
 from servegate.simulator import tokenizer as sim_tokenizer
 from servegate.testing.cluster import SimCluster
 from servegate.testing.gateway import GatewayRunner
 
-MODEL = "sim-model"
 HEAD = {"apiVersion": "llm-d.ai/v1alpha1", "kind": "EndpointPickerConfig"}
 LOAD = [("queue-scorer", 2), ("kv-cache-utilization-scorer", 2), ("active-request-scorer", 2)]
 
@@ -168,43 +180,6 @@ PROFILES = {
 
 
 @dataclass
-class Workload:
-    prefixes: list[str]
-    requests: list[tuple[int, str]]
-    """(group, question) per request, in send order."""
-
-
-def words(rng: random.Random, n: int) -> str:
-    return sim_tokenizer.decode(rng.choice(sim_tokenizer.WORD_IDS) for _ in range(n))
-
-
-def make_workload(
-    groups: int, prefix_words: int, requests: int, hot_share: float | None, seed: int
-) -> Workload:
-    rng = random.Random(seed)
-    prefixes = [f"group {g}:" + words(rng, prefix_words) for g in range(groups)]
-    out = []
-    for i in range(requests):
-        if hot_share is not None and rng.random() < hot_share:
-            group = 0
-        else:
-            group = rng.randrange(groups) if hot_share is None else rng.randrange(1, groups)
-        out.append((group, f"question {i}:" + words(rng, 24)))
-    return Workload(prefixes, out)
-
-
-def body(workload: Workload, group: int, question: str, max_tokens: int) -> dict[str, Any]:
-    return {
-        "model": MODEL,
-        "messages": [
-            {"role": "system", "content": workload.prefixes[group]},
-            {"role": "user", "content": question},
-        ],
-        "max_tokens": max_tokens,
-    }
-
-
-@dataclass
 class Result:
     name: str
     hit_rate: float
@@ -227,7 +202,7 @@ async def sample_queues(cluster: SimCluster, peaks: list[int], stop: asyncio.Eve
         await asyncio.sleep(0.01)
 
 
-async def drive(
+async def send_all(
     urls: Sequence[str],
     workload: Workload,
     concurrency: int,
@@ -236,80 +211,38 @@ async def drive(
     served_by: dict[str, int],
 ) -> int:
     """Send every request; `urls` has one gateway URL, or one per replica (the oracle)."""
-    queue = list(enumerate(workload.requests))
-    queue.reverse()
-    errors = 0
 
-    async def client(session: aiohttp.ClientSession) -> None:
-        nonlocal errors
-        while queue:
-            _, (group, question) = queue.pop()
-            url = urls[0] if len(urls) == 1 else urls[group % len(urls)]
-            async with session.post(
-                url + "/v1/chat/completions", json=body(workload, group, question, max_tokens)
-            ) as resp:
-                await resp.read()
-                if resp.status != 200:
-                    errors += 1
-                    continue
-                if group == 0:
-                    target = resp.headers.get("x-gateway-destination-endpoint") or ""
-                    hot.append(served_by.get(target, -1))
+    def url_for(_: int, group: int) -> str:
+        return urls[0] if len(urls) == 1 else urls[group % len(urls)]
 
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        await asyncio.gather(*(client(session) for _ in range(concurrency)))
-    return errors
+    def on_ok(group: int, resp: aiohttp.ClientResponse) -> None:
+        if group == 0:
+            target = resp.headers.get("x-gateway-destination-endpoint") or ""
+            hot.append(served_by.get(target, -1))
+
+    return await drive(workload, concurrency, max_tokens, url_for, on_ok)
 
 
-def sim_config(args: argparse.Namespace, hot: bool) -> dict[str, Any]:
-    return {
-        "model": MODEL,
-        "block_size": 16,
-        "num_blocks": args.num_blocks,
-        "max_model_len": 2048,
-        "max_num_seqs": args.hot_max_seqs if hot else 64,
-        "speed": args.hot_speed if hot else args.speed,
-    }
+def replica_config(args: argparse.Namespace, hot: bool) -> dict[str, Any]:
+    return sim_config(
+        args.num_blocks,
+        args.hot_speed if hot else args.speed,
+        max_num_seqs=args.hot_max_seqs if hot else 64,
+    )
 
 
-def gateway_config(cluster: SimCluster, profile: Profile) -> dict[str, Any]:
+def profile_config(cluster: SimCluster, profile: Profile) -> dict[str, Any]:
     endpoints = []
     for s in cluster:
         entry: dict[str, Any] = {"url": s.url}
         if profile.kv_events:
             entry["kv_events"] = s.kv_events_endpoint
         endpoints.append(entry)
-    pool: dict[str, Any] = {
-        "scrape_interval_s": 0.05,
-        "health": {"interval_s": 0.1, "timeout_s": 1.0},
-        "endpoints": endpoints,
-    }
-    if profile.tokenizer:
-        pool["tokenizer"] = {"source": "simulator"}
-    cfg: dict[str, Any] = {"gateway": {"port": 0, "seed": 7, "access_log": False}, "pool": pool}
+    pool: dict[str, Any] = {"tokenizer": {"source": "simulator"}} if profile.tokenizer else {}
+    cfg = gateway_config(endpoints, **pool)
     if profile.picker is not None:
         cfg["picker"] = profile.picker
     return cfg
-
-
-Snapshot = list[tuple[int, int, int]]
-
-
-def snapshot(cluster: SimCluster) -> Snapshot:
-    """Per replica: prefix-cache hits, queries (tokens) and requests, from its own counters."""
-    return [
-        (e.stats.prefix_cache_hits, e.stats.prefix_cache_queries, e.stats.requests_received)
-        for e in cluster.engines
-    ]
-
-
-def totals(cluster: SimCluster, before: Snapshot) -> tuple[float, list[int]]:
-    now = snapshot(cluster)
-    hits = sum(n[0] - b[0] for n, b in zip(now, before, strict=True))
-    queries = sum(n[1] - b[1] for n, b in zip(now, before, strict=True))
-    per_replica = [n[2] - b[2] for n, b in zip(now, before, strict=True)]
-    return (hits / queries if queries else 0.0), per_replica
 
 
 async def warm_up(urls: Sequence[str], workload: Workload, max_tokens: int) -> None:
@@ -323,35 +256,27 @@ async def warm_up(urls: Sequence[str], workload: Workload, max_tokens: int) -> N
         await asyncio.sleep(0.3)
 
 
-async def wait_ready(gw: GatewayRunner, n: int, timeout: float = 10.0) -> None:
-    pool = gw.gateway.pool
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pool.ready_count() == n and all(s.metrics.scraped_at > 0 for s in pool):
-            return
-        await asyncio.sleep(0.02)
-    raise RuntimeError(f"{n} replicas not ready in {timeout} s")
-
-
 async def run(
     profile: Profile | None, workload: Workload, args: argparse.Namespace, hot: bool
 ) -> Result:
     started = time.monotonic()
     peaks = [0] * args.replicas
     hot_served: list[int] = []
-    async with SimCluster(args.replicas, base=sim_config(args, hot), kv_events="ipc") as cluster:
+    async with SimCluster(
+        args.replicas, base=replica_config(args, hot), kv_events="ipc"
+    ) as cluster:
         served_by = {s.address: i for i, s in enumerate(cluster)}
         stop = asyncio.Event()
         sampler = asyncio.create_task(sample_queues(cluster, peaks, stop))
         try:
             before = snapshot(cluster)
             if profile is None:
-                errors = await drive(
+                errors = await send_all(
                     cluster.urls, workload, args.concurrency, args.max_tokens, [], served_by
                 )
                 hot_served = [r[0] % args.replicas for r in workload.requests if r[0] == 0]
             else:
-                async with GatewayRunner(gateway_config(cluster, profile)) as gw:
+                async with GatewayRunner(profile_config(cluster, profile)) as gw:
                     await wait_ready(gw, args.replicas)
                     manager = gw.gateway.cache_routing.kv_events
                     if manager is not None:
@@ -360,7 +285,7 @@ async def run(
                     if hot:
                         await warm_up([gw.url], workload, args.max_tokens)
                         before = snapshot(cluster)
-                    errors = await drive(
+                    errors = await send_all(
                         [gw.url], workload, args.concurrency, args.max_tokens, hot_served, served_by
                     )
         finally:

@@ -32,7 +32,6 @@ import socket
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,6 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_cache_routing import Workload, body, make_workload, snapshot, totals
 from gateway_overhead import (
     Server,
     process_tree_cpu_s,
@@ -49,11 +47,19 @@ from gateway_overhead import (
     start_backend,
     start_gateway,
 )
+from prefix_workload import (
+    Workload,
+    drive,
+    gateway_config,
+    make_workload,
+    sim_config,
+    snapshot,
+    totals,
+    wait_ready,
+)
 from servegate.bench.runner import LoadKind, LoadPoint, SendOptions, run_segment
 from servegate.testing.cluster import SimCluster
 from servegate.testing.gateway import GatewayRunner
-
-MODEL = "sim-model"
 
 # -- throughput -------------------------------------------------------------------------
 
@@ -134,25 +140,8 @@ async def throughput(args: argparse.Namespace) -> None:
 # -- hit rate ---------------------------------------------------------------------------
 
 
-def sim_config(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "model": MODEL,
-        "block_size": 16,
-        "num_blocks": args.num_blocks,
-        "max_model_len": 2048,
-        "speed": args.speed,
-    }
-
-
-def gateway_config(cluster: SimCluster, scaleout: dict[str, Any] | None) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "gateway": {"port": 0, "seed": 7, "access_log": False},
-        "pool": {
-            "scrape_interval_s": 0.05,
-            "health": {"interval_s": 0.1, "timeout_s": 1.0},
-            "endpoints": [{"url": s.url} for s in cluster],
-        },
-    }
+def replica_gateway_config(cluster: SimCluster, scaleout: dict[str, Any] | None) -> dict[str, Any]:
+    cfg = gateway_config([{"url": s.url} for s in cluster])
     if scaleout is not None:
         cfg["scaleout"] = scaleout
     return cfg
@@ -164,46 +153,22 @@ def free_tcp() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-async def wait_ready(gw: GatewayRunner, n: int) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        pool = gw.gateway.pool
-        if pool.ready_count() == n and all(s.metrics.scraped_at > 0 for s in pool):
-            return
-        await asyncio.sleep(0.02)
-    raise RuntimeError("replicas not ready")
-
-
-async def drive(urls: list[str], workload: Workload, concurrency: int, max_tokens: int) -> int:
-    """Closed-loop clients; request i goes to gateway i mod len(urls) (round robin)."""
-    queue = list(enumerate(workload.requests))
-    queue.reverse()
-    errors = 0
-
-    async def client(session: aiohttp.ClientSession) -> None:
-        nonlocal errors
-        while queue:
-            i, (group, question) = queue.pop()
-            url = urls[i % len(urls)]
-            payload = body(workload, group, question, max_tokens)
-            async with session.post(url + "/v1/chat/completions", json=payload) as resp:
-                await resp.read()
-                errors += resp.status != 200
-
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        await asyncio.gather(*(client(session) for _ in range(concurrency)))
-    return errors
+async def round_robin(
+    urls: list[str], workload: Workload, concurrency: int, max_tokens: int
+) -> int:
+    """Request i goes to gateway i mod len(urls)."""
+    return await drive(workload, concurrency, max_tokens, lambda i, _: urls[i % len(urls)])
 
 
 async def hit_rate_once(
     args: argparse.Namespace, workload: Workload, replicas: int, share: bool
 ) -> tuple[float, list[int], int]:
-    async with SimCluster(args.replicas, base=sim_config(args)) as cluster:
+    async with SimCluster(args.replicas, base=sim_config(args.num_blocks, args.speed)) as cluster:
         binds = [free_tcp() for _ in range(replicas)]
         runners = []
         for i in range(replicas):
             scaleout = {"bind": binds[i], "peers": binds, "heartbeat_s": 0.2} if share else None
-            runners.append(GatewayRunner(gateway_config(cluster, scaleout)))
+            runners.append(GatewayRunner(replica_gateway_config(cluster, scaleout)))
         for r in runners:
             await r.__aenter__()
         try:
@@ -211,7 +176,7 @@ async def hit_rate_once(
                 await wait_ready(r, args.replicas)
             await asyncio.sleep(0.5 if share else 0.0)  # peers subscribed
             before = snapshot(cluster)
-            errors = await drive([r.url for r in runners], workload, args.concurrency, 8)
+            errors = await round_robin([r.url for r in runners], workload, args.concurrency, 8)
             rate, per_replica = totals(cluster, before)
             return rate, per_replica, errors
         finally:

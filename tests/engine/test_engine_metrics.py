@@ -88,7 +88,7 @@ def held_pages(server: VllmServer, attempts: int = 5) -> Iterator[str]:
         with inflight(server.url, running):
             wait_for(
                 lambda: reference_view(server.metrics_text()).running == 2,
-                timeout_s=30,
+                timeout_s=60,
                 what="a1 and a2 running",
             )
             with inflight(server.url, [long_completion("a3", "hold a3 waiting")]):
@@ -102,7 +102,7 @@ def held_pages(server: VllmServer, attempts: int = 5) -> Iterator[str]:
                     time.sleep(0.05)
         wait_for(
             lambda: reference_view(server.metrics_text()).running == 0,
-            timeout_s=30,
+            timeout_s=60,
             what=f"{server.url} idle again",
         )
     raise AssertionError(f"{server.url} left the held state {attempts} times before a check")

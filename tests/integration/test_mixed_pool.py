@@ -67,12 +67,6 @@ async def mixed() -> AsyncIterator[SimCluster]:
         yield cluster
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
-
-
 @contextlib.asynccontextmanager
 async def started(cfg: dict[str, Any]) -> AsyncIterator[GatewayRunner]:
     async with GatewayRunner(cfg) as gw:
@@ -96,11 +90,11 @@ def request_body(chat: bool, stream: bool) -> tuple[str, dict[str, Any]]:
 
 
 async def send(
-    http: aiohttp.ClientSession, gw: GatewayRunner, chat: bool, stream: bool
+    session: aiohttp.ClientSession, gw: GatewayRunner, chat: bool, stream: bool
 ) -> tuple[str, str]:
     """One request; returns (endpoint, generated text) after checking it is well formed."""
     path, body = request_body(chat, stream)
-    async with http.post(gw.url + path, json=body) as resp:
+    async with session.post(gw.url + path, json=body) as resp:
         assert resp.status == 200, await resp.text()
         endpoint = resp.headers["x-gateway-destination-endpoint"]
         if not stream:
@@ -117,14 +111,14 @@ async def send(
 
 
 async def test_every_engine_serves_streaming_and_not(
-    mixed: SimCluster, http: aiohttp.ClientSession
+    mixed: SimCluster, session: aiohttp.ClientSession
 ) -> None:
     engine_of = {h.address: e for h, e in zip(mixed, ENGINES, strict=True)}
     served: Counter[tuple[str, bool, bool]] = Counter()
     async with started(mixed_config(mixed, RANDOM_PICKER)) as gw:
         for i in range(48):
             chat, stream = bool(i & 1), bool(i & 2)
-            endpoint, text = await send(http, gw, chat, stream)
+            endpoint, text = await send(session, gw, chat, stream)
             assert text
             served[(engine_of[endpoint], chat, stream)] += 1
     assert {engine for engine, _, _ in served} == set(ENGINES)
@@ -138,7 +132,7 @@ async def test_every_engine_serves_streaming_and_not(
     assert len(lines) == 48 and all(line["status"] == 200 for line in lines)
 
 
-async def load(http: aiohttp.ClientSession, url: str, engine: str) -> None:
+async def load(session: aiohttp.ClientSession, url: str, engine: str) -> None:
     """Long generations sent to a replica directly, in its own API, until cancelled."""
     if engine == TRITON_ENGINE:
         path = f"/v2/models/{MODEL}/generate_stream"
@@ -146,18 +140,18 @@ async def load(http: aiohttp.ClientSession, url: str, engine: str) -> None:
     else:
         path = "/v1/completions"
         body = {"model": MODEL, "prompt": "load " * 200, "max_tokens": 1500, "stream": True}
-    async with http.post(url + path, json=body) as resp:
+    async with session.post(url + path, json=body) as resp:
         async for _ in resp.content.iter_any():
             pass
 
 
 @pytest.mark.parametrize("idle", ENGINES)
 async def test_load_scorers_prefer_the_idle_replica_across_engines(
-    mixed: SimCluster, http: aiohttp.ClientSession, idle: str
+    mixed: SimCluster, session: aiohttp.ClientSession, idle: str
 ) -> None:
     async with started(mixed_config(mixed, LOAD_PICKER)) as gw:
         loaders = [
-            asyncio.create_task(load(http, h.url, engine))
+            asyncio.create_task(load(session, h.url, engine))
             for h, engine in zip(mixed, ENGINES, strict=True)
             if engine != idle
             for _ in range(3)
@@ -171,7 +165,7 @@ async def test_load_scorers_prefer_the_idle_replica_across_engines(
                 what="the loaded replicas to report queues and KV use",
             )
             for i in range(8):
-                endpoint, _ = await send(http, gw, chat=bool(i & 1), stream=bool(i & 2))
+                endpoint, _ = await send(session, gw, chat=bool(i & 1), stream=bool(i & 2))
                 assert endpoint == idle_address
         finally:
             for task in loaders:

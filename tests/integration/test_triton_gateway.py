@@ -13,6 +13,7 @@ from servegate.gateway.triton import TRITON_ENGINE
 from servegate.simulator import tokenizer as sim_tokenizer
 from servegate.testing.cluster import SimCluster
 from servegate.testing.gateway import GatewayRunner
+from tests.disagg_pickers import PD_HANDLER, disagg_picker
 from tests.integration.conftest import MODEL, wait_for
 
 TRITON_SIM = {
@@ -63,20 +64,14 @@ async def triton_gateway(triton_cluster: SimCluster) -> AsyncIterator[GatewayRun
         yield gw
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
-
-
 def sse_events(text: str) -> list[str]:
     return [e.removeprefix("data: ") for e in text.split("\n\n") if e]
 
 
 async def test_models_lists_the_declared_model(
-    triton_gateway: GatewayRunner, http: aiohttp.ClientSession
+    triton_gateway: GatewayRunner, session: aiohttp.ClientSession
 ) -> None:
-    async with http.get(triton_gateway.url + "/v1/models") as resp:
+    async with session.get(triton_gateway.url + "/v1/models") as resp:
         ids = [m["id"] for m in (await resp.json())["data"]]
     assert ids == [MODEL]
 
@@ -100,12 +95,12 @@ async def test_models_lists_the_declared_model(
 )
 async def test_non_streaming(
     triton_gateway: GatewayRunner,
-    http: aiohttp.ClientSession,
+    session: aiohttp.ClientSession,
     path: str,
     body: dict[str, Any],
     object_: str,
 ) -> None:
-    async with http.post(
+    async with session.post(
         triton_gateway.url + path, json={"model": MODEL, **body}, headers={"X-Request-ID": "r1"}
     ) as resp:
         assert resp.status == 200, await resp.text()
@@ -127,7 +122,7 @@ async def test_non_streaming(
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
 async def test_streaming_with_usage(
-    triton_gateway: GatewayRunner, http: aiohttp.ClientSession, chat: bool
+    triton_gateway: GatewayRunner, session: aiohttp.ClientSession, chat: bool
 ) -> None:
     body: dict[str, Any] = {
         "model": MODEL,
@@ -140,7 +135,7 @@ async def test_streaming_with_usage(
     else:
         body["prompt"] = "tell me"
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    async with http.post(triton_gateway.url + path, json=body) as resp:
+    async with session.post(triton_gateway.url + path, json=body) as resp:
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/event-stream")
         events = sse_events(await resp.text())
@@ -161,10 +156,10 @@ async def test_streaming_with_usage(
 
 
 async def test_stream_without_usage_option_has_no_usage_chunk(
-    triton_gateway: GatewayRunner, http: aiohttp.ClientSession
+    triton_gateway: GatewayRunner, session: aiohttp.ClientSession
 ) -> None:
     body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True}
-    async with http.post(triton_gateway.url + "/v1/completions", json=body) as resp:
+    async with session.post(triton_gateway.url + "/v1/completions", json=body) as resp:
         events = sse_events(await resp.text())
     chunks = [orjson.loads(e) for e in events[:-1]]
     assert events[-1] == "[DONE]"
@@ -174,11 +169,11 @@ async def test_stream_without_usage_option_has_no_usage_chunk(
 
 
 async def test_midstream_error_becomes_openai_error_then_done(
-    triton_gateway: GatewayRunner, http: aiohttp.ClientSession
+    triton_gateway: GatewayRunner, session: aiohttp.ClientSession
 ) -> None:
     body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "stream": True}
     headers = {"X-Return-Error": "stream_error"}
-    async with http.post(
+    async with session.post(
         triton_gateway.url + "/v1/completions", json=body, headers=headers
     ) as resp:
         assert resp.status == 200
@@ -213,13 +208,13 @@ async def test_midstream_error_becomes_openai_error_then_done(
 )
 async def test_errors_are_openai_errors(
     triton_gateway: GatewayRunner,
-    http: aiohttp.ClientSession,
+    session: aiohttp.ClientSession,
     body: dict[str, Any],
     headers: dict[str, str],
     status: int,
     code: str | None,
 ) -> None:
-    async with http.post(
+    async with session.post(
         triton_gateway.url + "/v1/completions", json={"model": MODEL, **body}, headers=headers
     ) as resp:
         assert resp.status == status
@@ -229,34 +224,34 @@ async def test_errors_are_openai_errors(
     assert doc["error"]["message"]
 
 
-async def test_unknown_triton_model_name_is_404(http: aiohttp.ClientSession) -> None:
+async def test_unknown_triton_model_name_is_404(session: aiohttp.ClientSession) -> None:
     async with SimCluster(1, base=TRITON_SIM) as cluster:
         cfg = triton_config(cluster)
         cfg["pool"]["endpoints"][0]["labels"] = {"servegate.io/triton-model": "ensemble"}
         async with GatewayRunner(cfg) as gw:
             await wait_for(lambda: gw.gateway.pool.ready_count() == 1, what="ready")
             body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
-            async with http.post(gw.url + "/v1/completions", json=body) as resp:
+            async with session.post(gw.url + "/v1/completions", json=body) as resp:
                 assert resp.status == 404
                 doc = await resp.json()
     assert doc["error"]["code"] == "model_not_found"
     assert "ensemble" in doc["error"]["message"]
 
 
-async def test_simulator_tokenizer_counts_exactly(http: aiohttp.ClientSession) -> None:
+async def test_simulator_tokenizer_counts_exactly(session: aiohttp.ClientSession) -> None:
     async with SimCluster(1, base=TRITON_SIM) as cluster:
         cfg = triton_config(cluster, tokenizer={"source": "simulator"})
         async with GatewayRunner(cfg) as gw:
             await wait_for(lambda: gw.gateway.pool.ready_count() == 1, what="ready")
             body = {"model": MODEL, "prompt": "one two three", "max_tokens": 4}
-            async with http.post(gw.url + "/v1/completions", json=body) as resp:
+            async with session.post(gw.url + "/v1/completions", json=body) as resp:
                 doc = await resp.json()
     assert doc["usage"]["token_count_source"] == "tokenizer"
     assert doc["usage"]["completion_tokens"] == 4
     assert doc["choices"][0]["finish_reason"] == "length"
 
 
-async def test_declared_chat_template_renders_the_prompt(http: aiohttp.ClientSession) -> None:
+async def test_declared_chat_template_renders_the_prompt(session: aiohttp.ClientSession) -> None:
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }} {% endfor %}>>"
     async with SimCluster(1, base=TRITON_SIM) as cluster:
         cfg = triton_config(
@@ -271,13 +266,13 @@ async def test_declared_chat_template_renders_the_prompt(http: aiohttp.ClientSes
                 "messages": [{"role": "user", "content": "alpha beta"}],
                 "max_tokens": 2,
             }
-            async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+            async with session.post(gw.url + "/v1/chat/completions", json=body) as resp:
                 doc = await resp.json()
     assert doc["usage"]["prompt_tokens"] == len(sim_tokenizer.encode("[user] alpha beta >>"))
 
 
 async def test_fallback_from_vllm_to_triton_translates_per_attempt(
-    http: aiohttp.ClientSession,
+    session: aiohttp.ClientSession,
 ) -> None:
     failing_vllm = {
         **TRITON_SIM,
@@ -297,7 +292,7 @@ async def test_fallback_from_vllm_to_triton_translates_per_attempt(
             await wait_for(lambda: gw.gateway.pool.ready_count() == 2, what="ready")
             for stream in (False, True, False, True, False, True):
                 body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": stream}
-                async with http.post(gw.url + "/v1/completions", json=body) as resp:
+                async with session.post(gw.url + "/v1/completions", json=body) as resp:
                     assert resp.status == 200
                     assert resp.headers["x-gateway-destination-endpoint"] == cluster[1].address
                     text = await resp.text()
@@ -307,34 +302,16 @@ async def test_fallback_from_vllm_to_triton_translates_per_attempt(
     assert retried and all(line["endpoint"] == triton_address for line in retried)
 
 
-async def test_disaggregation_runs_decode_only_for_triton(http: aiohttp.ClientSession) -> None:
-    handler = {
-        "type": "disagg-profile-handler",
-        "parameters": {"deciders": {"prefill": "always-disagg-pd-decider"}},
-    }
-    picker = {
-        "apiVersion": "llm-d.ai/v1alpha1",
-        "kind": "EndpointPickerConfig",
-        "plugins": [
-            {"type": "prefill-filter"},
-            {"type": "decode-filter"},
-            {"type": "always-disagg-pd-decider"},
-            handler,
-        ],
-        "schedulingProfiles": [
-            {"name": "prefill", "plugins": [{"pluginRef": "prefill-filter"}]},
-            {"name": "decode", "plugins": [{"pluginRef": "decode-filter"}]},
-        ],
-    }
+async def test_disaggregation_runs_decode_only_for_triton(session: aiohttp.ClientSession) -> None:
     async with SimCluster(2, base=TRITON_SIM) as cluster:
         cfg = triton_config(cluster)
         cfg["pool"]["endpoints"][0]["role"] = "prefill"
         cfg["pool"]["endpoints"][1]["role"] = "decode"
-        cfg["picker"] = picker
+        cfg["picker"] = disagg_picker(PD_HANDLER)
         async with GatewayRunner(cfg) as gw:
             await wait_for(lambda: gw.gateway.pool.ready_count() == 2, what="ready")
             body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
-            async with http.post(gw.url + "/v1/completions", json=body) as resp:
+            async with session.post(gw.url + "/v1/completions", json=body) as resp:
                 assert resp.status == 200
                 assert (await resp.json())["object"] == "text_completion"
             decode_address = cluster[1].address

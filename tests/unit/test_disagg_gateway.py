@@ -14,6 +14,7 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from tests.disagg_pickers import PD_HANDLER, disagg_picker
 
 from servegate.config import DisaggregationSettings, parse_config
 from servegate.gateway.disagg import (
@@ -216,32 +217,6 @@ class Upstream:
             request.transport.close()
             await asyncio.sleep(0.05)
         return web.json_response({"choices": [], "kv_transfer_params": PARAMS_FROM_PREFILL})
-
-
-def disagg_picker(
-    handler: dict[str, Any], extra: list[dict[str, Any]] | None = None
-) -> dict[str, Any]:
-    return {
-        "apiVersion": "llm-d.ai/v1alpha1",
-        "kind": "EndpointPickerConfig",
-        "plugins": [
-            {"type": "prefill-filter"},
-            {"type": "decode-filter"},
-            {"type": "always-disagg-pd-decider"},
-            *(extra or []),
-            handler,
-        ],
-        "schedulingProfiles": [
-            {"name": "prefill", "plugins": [{"pluginRef": "prefill-filter"}]},
-            {"name": "decode", "plugins": [{"pluginRef": "decode-filter"}]},
-        ],
-    }
-
-
-PD_HANDLER = {
-    "type": "disagg-profile-handler",
-    "parameters": {"deciders": {"prefill": "always-disagg-pd-decider"}},
-}
 
 
 def config(

@@ -18,13 +18,13 @@ found wins:
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError, ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2 import TemplateError
+
+from servegate import tokenizer_folder as hf_folder
 
 CHATML = (
     "{% for message in messages %}"
@@ -32,37 +32,10 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
 class ChatTemplateError(ValueError):
     """A template cannot be loaded or rendered; the message says which and why."""
-
-
-def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(f"chat template error: {message}")
-
-
-def _tojson(value: Any, indent: int | None = None) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
-
-
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
-    return env
-
-
-def _token_str(value: Any) -> str | None:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return str(value["content"])
-    return None
 
 
 def message_text(content: Any) -> str:
@@ -89,7 +62,7 @@ class ChatTemplate:
 
     def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None) -> None:
         try:
-            self._template = _environment().from_string(source)
+            self._template = hf_folder.sandbox(ChatTemplateError).from_string(source)
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
         self.source = source
@@ -105,18 +78,13 @@ class ChatTemplate:
             out = dict(message)
             out["content"] = message_text(message.get("content"))
             prepared.append(out)
-        kwargs = body.get("chat_template_kwargs")
-        extra = dict(kwargs) if isinstance(kwargs, dict) else {}
-        for key in ("tools", "documents"):
-            if body.get(key) is not None:
-                extra[key] = body[key]
         try:
             return str(
                 self._template.render(
                     messages=prepared,
-                    add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+                    add_generation_prompt=hf_folder.add_generation_prompt(body),
                     **self.special_tokens,
-                    **extra,
+                    **hf_folder.template_extras(body),
                 )
             )
         except ChatTemplateError:
@@ -126,27 +94,9 @@ class ChatTemplate:
 
 
 def _folder_template(folder: Path) -> ChatTemplate | None:
-    config: dict[str, Any] = {}
-    config_file = folder / "tokenizer_config.json"
-    if config_file.is_file():
-        loaded = json.loads(config_file.read_text())
-        config = loaded if isinstance(loaded, dict) else {}
-    special = {k: v for k in SPECIAL_TOKENS if (v := _token_str(config.get(k))) is not None}
-    source = config.get("chat_template")
-    if isinstance(source, list):
-        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-        source = named.get("default")
-    if not isinstance(source, str):
-        source = None
-        jinja_file = folder / "chat_template.jinja"
-        json_file = folder / "chat_template.json"
-        if jinja_file.is_file():
-            source = jinja_file.read_text()
-        elif json_file.is_file():
-            doc = json.loads(json_file.read_text())
-            value = doc.get("chat_template") if isinstance(doc, dict) else None
-            source = value if isinstance(value, str) else None
-    return None if source is None else ChatTemplate(source, special)
+    config = hf_folder.read_config(folder)
+    source = hf_folder.template_source(folder, config)
+    return None if source is None else ChatTemplate(source, hf_folder.special_tokens(config))
 
 
 def load_chat_template(

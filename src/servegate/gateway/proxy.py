@@ -20,7 +20,7 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -330,34 +330,49 @@ class Proxy:
         record.stream = True
         response = web.StreamResponse(status=upstream.status, headers=headers)
         await response.prepare(http_request)
-        tail = b""
-        first = True
+        stream = _Passthrough()
+        if not await self._pump(upstream, state, record, started, response, stream):
+            return response
+        if USAGE_MARK in stream.tail:
+            self._note_usage(record, usage_from_sse_tail(stream.tail))
+        await _end(response, record)
+        return response
+
+    async def _pump(
+        self,
+        upstream: aiohttp.ClientResponse,
+        state: EndpointState,
+        record: AccessRecord,
+        started: float,
+        response: web.StreamResponse,
+        stream: _Reframer,
+    ) -> bool:
+        """Relays the upstream body through `stream`; False when the client left."""
         try:
-            async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
-                if first:
-                    record.ttft_ms = (time.monotonic() - started) * 1000.0
-                    first = False
-                tail = chunk if len(chunk) >= TAIL_BYTES else tail[-TAIL_BYTES:] + chunk
+            async for data in upstream.content.iter_any():
+                out = stream.feed(data)
+                if out:
+                    if record.ttft_ms is None:
+                        record.ttft_ms = (time.monotonic() - started) * 1000.0
+                    await response.write(out)
+                if stream.ended:
+                    break
+            last = stream.finish()
+            if last:
+                await response.write(last)
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
             self._midstream(state, record, exc)
-            await response.write(sse_error_event(UpstreamFailed(_midstream_message(state))))
+            await response.write(stream.abort(UpstreamFailed(_midstream_message(state))))
         except TimeoutError as exc:
             self._midstream(state, record, exc)
-            await response.write(sse_error_event(UpstreamTimeout(_midstream_message(state))))
+            await response.write(stream.abort(UpstreamTimeout(_midstream_message(state))))
         except ConnectionResetError:
             # The client left mid-stream: stop the upstream request, no traceback.
             upstream.close()
             record.status = 499
             record.error = "client disconnected"
-            return response
-        if USAGE_MARK in tail:
-            self._note_usage(record, usage_from_sse_tail(tail))
-        try:
-            await response.write_eof()
-        except ConnectionResetError:
-            record.error = "client disconnected before the end of the stream"
-        return response
+            return False
+        return True
 
     async def _read(self, upstream: aiohttp.ClientResponse, state: EndpointState) -> bytes:
         try:
@@ -427,26 +442,7 @@ class Proxy:
         await response.prepare(http_request)
         endpoint = state.endpoint
         stream = TritonStream(request, request.max_tokens_for(endpoint), accumulates(endpoint))
-        try:
-            async for data in upstream.content.iter_any():
-                out = stream.feed(data)
-                if out:
-                    if record.ttft_ms is None:
-                        record.ttft_ms = (time.monotonic() - started) * 1000.0
-                    await response.write(out)
-                if stream.ended:
-                    break
-            await response.write(stream.finish())
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
-            self._midstream(state, record, exc)
-            await response.write(stream.abort(UpstreamFailed(_midstream_message(state))))
-        except TimeoutError as exc:
-            self._midstream(state, record, exc)
-            await response.write(stream.abort(UpstreamTimeout(_midstream_message(state))))
-        except ConnectionResetError:
-            upstream.close()
-            record.status = 499
-            record.error = "client disconnected"
+        if not await self._pump(upstream, state, record, started, response, stream):
             return response
         if stream.error is not None:
             self._failed(state, "midstream")
@@ -454,10 +450,7 @@ class Proxy:
         if stream.usage is not None:
             record.prompt_tokens = stream.usage.prompt_tokens
             record.completion_tokens = stream.usage.completion_tokens
-        try:
-            await response.write_eof()
-        except ConnectionResetError:
-            record.error = "client disconnected before the end of the stream"
+        await _end(response, record)
         return response
 
     def _midstream(self, state: EndpointState, record: AccessRecord, exc: BaseException) -> None:
@@ -471,6 +464,46 @@ class Proxy:
         record.prompt_tokens = usage.prompt_tokens
         record.completion_tokens = usage.completion_tokens
         record.cached_tokens = usage.cached_tokens
+
+
+class _Reframer(Protocol):
+    """What the relay writes for the upstream body: re-framed (Triton) or as it is."""
+
+    @property
+    def ended(self) -> bool: ...
+
+    def feed(self, data: bytes) -> bytes: ...
+
+    def finish(self) -> bytes: ...
+
+    def abort(self, exc: GatewayError) -> bytes: ...
+
+
+class _Passthrough:
+    """The bytes as they come; the last `TAIL_BYTES` or more kept for the usage chunk."""
+
+    __slots__ = ("tail",)
+    ended = False
+
+    def __init__(self) -> None:
+        self.tail = b""
+
+    def feed(self, data: bytes) -> bytes:
+        self.tail = data if len(data) >= TAIL_BYTES else self.tail[-TAIL_BYTES:] + data
+        return data
+
+    def finish(self) -> bytes:
+        return b""
+
+    def abort(self, exc: GatewayError) -> bytes:
+        return sse_error_event(exc)
+
+
+async def _end(response: web.StreamResponse, record: AccessRecord) -> None:
+    try:
+        await response.write_eof()
+    except ConnectionResetError:
+        record.error = "client disconnected before the end of the stream"
 
 
 def _identity_encoding(headers: Mapping[str, str]) -> dict[str, str]:

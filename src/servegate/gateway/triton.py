@@ -43,6 +43,7 @@ from servegate.gateway.errors import (
     UpstreamFailed,
     error_body,
 )
+from servegate.gateway.parse import decode_body
 from servegate.pool.endpoint import Endpoint
 from servegate.scheduling.prefix.tokenize import LocalTokenizer, TokenizerError, local_tokenizer
 
@@ -258,12 +259,7 @@ class TritonTranslator:
         return self._models.get(name, self._default)
 
     def prepare(self, path: str, raw: bytes, request_id: str) -> TritonRequest:
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise BadRequest("request body must be a JSON object")
+        body = decode_body(raw)
         chat = path == CHAT_PATH
         if not chat and path != COMPLETIONS_PATH:
             raise BadRequest(f"{path} is not served by Triton endpoints")

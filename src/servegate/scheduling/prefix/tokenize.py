@@ -21,7 +21,6 @@ count in `request.prompt_tokens`. Per model, one source:
 from __future__ import annotations
 
 import importlib
-import json
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -33,6 +32,7 @@ import aiohttp
 import orjson
 import xxhash
 
+from servegate import tokenizer_folder as hf_folder
 from servegate.config import TokenizerSettings
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.request import LLMRequest, RequestKind
@@ -69,10 +69,6 @@ def _add_special_tokens(body: Mapping[str, Any], default: bool) -> bool:
     return value if isinstance(value, bool) else default
 
 
-def _add_generation_prompt(body: Mapping[str, Any]) -> bool:
-    return body.get("add_generation_prompt", True) is not False
-
-
 def completion_text(body: Mapping[str, Any]) -> str | None:
     """The one text prompt of a completion body (`"..."` or `["..."]`), else None."""
     prompt = body.get("prompt")
@@ -90,15 +86,7 @@ class SimulatorTokenizer:
         return sim_tokenizer.encode(prompt)
 
     def chat_ids(self, messages: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) -> list[int]:
-        return sim_tokenizer.encode_chat(messages, _add_generation_prompt(body))
-
-
-def _token_str(value: Any) -> str | None:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return str(value["content"])
-    return None
+        return sim_tokenizer.encode_chat(messages, hf_folder.add_generation_prompt(body))
 
 
 def _message_for_template(message: Mapping[str, Any]) -> dict[str, Any]:
@@ -108,28 +96,6 @@ def _message_for_template(message: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(content, list):
         out["content"] = sim_tokenizer.message_text(content)
     return out
-
-
-def _raise_exception(message: str) -> None:
-    raise TokenizerError(f"chat template error: {message}")
-
-
-def _load_template(folder: Path, config: Mapping[str, Any]) -> str | None:
-    template = config.get("chat_template")
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    if isinstance(template, str):
-        return template
-    jinja_file = folder / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text()
-    json_file = folder / "chat_template.json"
-    if json_file.is_file():
-        doc = json.loads(json_file.read_text())
-        value = doc.get("chat_template") if isinstance(doc, dict) else None
-        return value if isinstance(value, str) else None
-    return None
 
 
 class HFTokenizer:
@@ -148,31 +114,17 @@ class HFTokenizer:
             ) from exc
         self.name = str(path)
         self._tok: Any = rust.Tokenizer.from_file(str(file))
-        config_file = file.parent / "tokenizer_config.json"
-        config: dict[str, Any] = {}
-        if config_file.is_file():
-            config = json.loads(config_file.read_text())
-        self._special = {
-            key: value
-            for key in ("bos_token", "eos_token", "pad_token", "unk_token")
-            if (value := _token_str(config.get(key))) is not None
-        }
-        source = _load_template(file.parent, config)
+        config = hf_folder.read_config(file.parent)
+        self._special = hf_folder.special_tokens(config)
+        source = hf_folder.template_source(file.parent, config)
         self._template: Any = None
         if source is not None:
             try:
-                sandbox = importlib.import_module("jinja2.sandbox")
-                ext = importlib.import_module("jinja2.ext")
+                env = hf_folder.sandbox(TokenizerError)
             except ImportError as exc:
                 raise TokenizerError(
                     f"{folder}: rendering its chat template needs jinja2: pip install jinja2"
                 ) from exc
-            env = sandbox.ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols]
-            )
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
             self._template = env.from_string(source)
 
     def completion_ids(self, prompt: str, add_special_tokens: bool) -> list[int]:
@@ -181,27 +133,18 @@ class HFTokenizer:
     def render(self, messages: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) -> str:
         if self._template is None:
             raise TokenizerError(f"{self.name} has no chat template")
-        kwargs = body.get("chat_template_kwargs")
-        extra = dict(kwargs) if isinstance(kwargs, dict) else {}
-        for key in ("tools", "documents"):
-            if body.get(key) is not None:
-                extra[key] = body[key]
         return str(
             self._template.render(
                 messages=[_message_for_template(m) for m in messages],
-                add_generation_prompt=_add_generation_prompt(body),
+                add_generation_prompt=hf_folder.add_generation_prompt(body),
                 **self._special,
-                **extra,
+                **hf_folder.template_extras(body),
             )
         )
 
     def chat_ids(self, messages: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) -> list[int]:
         text = self.render(messages, body)
         return self.completion_ids(text, _add_special_tokens(body, default=False))
-
-
-def _tojson(value: Any, indent: int | None = None) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
 def local_tokenizer(source: str, path: str | None) -> LocalTokenizer | None:
@@ -268,7 +211,7 @@ class EngineTokenizer:
             out: dict[str, Any] = {
                 "model": request.target_model,
                 "messages": request.messages,
-                "add_generation_prompt": _add_generation_prompt(body),
+                "add_generation_prompt": hf_folder.add_generation_prompt(body),
             }
             for key in CHAT_OPTIONS:
                 if key in body:
