@@ -117,6 +117,10 @@ async def test_a_late_subscriber_replays_what_it_missed(session: aiohttp.ClientS
             sim = cluster[0]
             early = messages("published before anyone listened")
             await chat(session, sim.url, early)
+            # the publisher's thread sends it later: missed only if sent before we subscribe
+            publisher = sim.state.publisher
+            assert publisher is not None
+            await wait_for(lambda: publisher.published > 0, what="the early batch sent")
             pool = Pool()
             pool.add(
                 Endpoint(

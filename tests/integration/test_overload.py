@@ -5,8 +5,8 @@ replica (capacity 8 concurrent, about 30 requests/s at ~0.25 s per request).
 For 4 s, `critical` (priority 10) arrives at half of capacity and `batch`
 (priority -1, sheddable) at 2.5 times capacity, so together 3x. Expected:
 every critical request is served and waits in the gateway less than one
-request's service time; batch is shed with 429 `rejected-saturated` for the
-excess; nothing hangs; the queue and in-flight counts end at zero. Set
+request's service time (measured on the same requests); batch is shed with 429
+`rejected-saturated` for the excess; nothing hangs; the queue and in-flight counts end at zero. Set
 `SERVEGATE_RELIABILITY_OUT` to a file to get the figures as JSON.
 """
 
@@ -72,7 +72,7 @@ async def test_three_times_capacity_two_priorities() -> None:
         ):
             await wait_ready(gw, REPLICAS)
             baseline = [(await one(session, gw.url, "critical"))[3] for _ in range(5)]
-            service_s = statistics.median(baseline)
+            service_s = min(baseline)  # the least disturbed by other jobs, so 3x stays 3x
             capacity_rps = PER_REPLICA * REPLICAS / service_s
             rng = random.Random(11)
             arrivals: list[tuple[float, str]] = []
@@ -97,10 +97,12 @@ async def test_three_times_capacity_two_priorities() -> None:
             assert controller.queues.requests == 0 and controller.pending == 0
     outcomes: dict[str, Counter[str]] = {"critical": Counter(), "batch": Counter()}
     critical_waits: list[float] = []
-    for (objective, _), (status, reason, queued_ms, _) in zip(tasks, results, strict=True):
+    critical_services: list[float] = []
+    for (objective, _), (status, reason, queued_ms, latency) in zip(tasks, results, strict=True):
         outcomes[objective][f"{status} {reason or ''}".strip()] += 1
         if objective == "critical" and status == 200:
             critical_waits.append(queued_ms / 1000.0)
+            critical_services.append(latency - queued_ms / 1000.0)
     figures: dict[str, Any] = {
         "service_s": round(service_s, 3),
         "capacity_rps": round(capacity_rps, 1),
@@ -108,9 +110,12 @@ async def test_three_times_capacity_two_priorities() -> None:
         "outcomes": {k: dict(v) for k, v in outcomes.items()},
         "critical_queue_wait_p50_s": round(statistics.median(critical_waits), 4),
         "critical_queue_wait_max_s": round(max(critical_waits), 4),
+        "critical_service_p50_s": round(statistics.median(critical_services), 4),
     }
     record_figures("overload", figures)
     assert set(outcomes["critical"]) == {"200"}, figures
     assert set(outcomes["batch"]) <= {"200", "429 rejected-saturated"}, figures
     assert outcomes["batch"]["429 rejected-saturated"] > outcomes["batch"]["200"], figures
-    assert figures["critical_queue_wait_p50_s"] < service_s, figures
+    # against the service time of the same requests, not the warm-up's: a machine loaded
+    # by other jobs stretches both alike, and the warm-up ran before that load changed
+    assert statistics.median(critical_waits) < statistics.median(critical_services), figures

@@ -54,7 +54,7 @@ async def test_sigterm_stops_accepting_and_drains_the_stream() -> None:
 
 
 def probe(port: int, path: str) -> int:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2.0) as resp:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10.0) as resp:
         return int(resp.status)
 
 
@@ -65,19 +65,19 @@ async def test_probe_port_answers_while_the_event_loop_is_blocked() -> None:
             await wait_ready(gw, 1)
             probes = gw.gateway.probes
             assert probes is not None
-            answers: list[tuple[str, int, float]] = []
+            answers: list[tuple[str, int]] = []
 
             def ask() -> None:
                 for path in ("/health", "/ready"):
-                    t0 = time.monotonic()
-                    answers.append((path, probe(probes.port, path), time.monotonic() - t0))
+                    answers.append((path, probe(probes.port, path)))
 
             thread = threading.Thread(target=ask)
             thread.start()
-            time.sleep(1.0)  # noqa: ASYNC251 - blocks the gateway's event loop on purpose
-            thread.join(5.0)
-    assert [(path, status) for path, status, _ in answers] == [("/health", 200), ("/ready", 200)]
-    assert all(took < 1.0 for _, _, took in answers)
+            # blocks the gateway's event loop until both answers came (or the bound passed)
+            thread.join(60.0)
+            answered_while_blocked = not thread.is_alive()
+    assert answered_while_blocked, "the probe port waited for the blocked event loop"
+    assert answers == [("/health", 200), ("/ready", 200)]
 
 
 @pytest.mark.parametrize(

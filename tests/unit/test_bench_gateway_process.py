@@ -46,7 +46,9 @@ async def test_a_gateway_that_rejects_its_config_fails_with_its_own_message(
             "plugins": [{"type": "no-such-scorer"}],
         },
     }
-    gateway = GatewayProcess("broken", config, tmp_path, replicas=1, startup_timeout_s=20)
+    # The wait ends when the child exits; the bound only stops a start that hangs, so it
+    # leaves room for a loaded machine, where importing and exiting took 10 s instead of 1.
+    gateway = GatewayProcess("broken", config, tmp_path, replicas=1, startup_timeout_s=120)
     with pytest.raises(GatewayStartError) as info:
         async with gateway:
             pass
