@@ -16,6 +16,14 @@ over all rounds keep the error to a few percent at ~1000 requests).
 `--gateway-cmd` is a template: `{backend}` (backend URL), `{backend_port}`, `{port}`
 (a free port for the gateway) and `{python}` are filled in. When the gateway does not
 start or does not answer, the gateway rows are skipped with the reason and its log.
+`--compare NAME=TEMPLATE` (repeatable) starts more gateways in front of the same
+backend and measures them in the same rounds, alternating with the others, so two
+versions compare side by side:
+
+    .venv/bin/python bench/gateway_overhead.py --concurrency 1,32 --compare \\
+        'baseline=env PYTHONPATH=/tmp/old/src {python} -m servegate.cli serve \\
+        --endpoint {backend} --port {port}'
+
 At high concurrency the Python load generator itself saturates a core; compare rows
 at the same concurrency, not across concurrencies.
 """
@@ -165,7 +173,7 @@ async def wait_answering(server: Server, timeout_s: float) -> str | None:
 
 
 def start_gateway(
-    template: str, backend: Server, log_dir: Path, timeout_s: float
+    template: str, backend: Server, log_dir: Path, timeout_s: float, name: str = "gateway"
 ) -> tuple[Server | None, str]:
     port = free_port()
     servegate = Path(sys.executable).parent / "servegate"
@@ -178,10 +186,10 @@ def start_gateway(
     }
     command = shlex.split(template.format(**fields))
     try:
-        process, log = spawn("gateway", command, log_dir)
+        process, log = spawn(name, command, log_dir)
     except OSError as exc:
         return None, f"cannot run {shlex.join(command)}: {exc}"
-    server = Server("gateway", process, f"http://{LOOPBACK}:{port}", log)
+    server = Server(name, process, f"http://{LOOPBACK}:{port}", log)
     problem = asyncio.run(wait_answering(server, timeout_s))
     if problem is not None:
         server.stop()
@@ -240,7 +248,6 @@ async def measure(
     point = LoadPoint(LoadKind.CONCURRENCY, concurrency)
     options = SendOptions(stream=stream, timeout_s=30.0)
     tallies = {name: _Tally([]) for name in servers}
-    gateway = servers.get("gateway")
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         for server in servers.values():
             warm = requests_for(min(1000, max(concurrency * 2, 50)))
@@ -251,6 +258,7 @@ async def measure(
                 names.reverse()
             for name in names:
                 tally = tallies[name]
+                gateway = servers[name] if servers[name] is not backend else None
                 gw_before = process_tree_cpu_s(gateway.process.pid) if gateway else 0.0
                 be_before = process_tree_cpu_s(backend.process.pid)
                 segment = await run_segment(
@@ -281,7 +289,7 @@ async def measure(
                 p99_ms=_ms(ok, 99),
                 req_per_s=len(ok) / tally.wall_s if tally.wall_s else 0.0,
                 gateway_cpu_us=tally.gateway_cpu_s / served * 1e6
-                if served and name == "gateway"
+                if served and servers[name] is not backend
                 else None,
                 backend_cpu_us=tally.backend_cpu_s / served * 1e6 if served else None,
             )
@@ -333,6 +341,17 @@ def parse_concurrency(value: str) -> list[int]:
     return levels
 
 
+def parse_named_command(value: str) -> tuple[str, str]:
+    name, sep, template = value.partition("=")
+    name = name.strip()
+    if not sep or not name or not template.strip() or name in {"direct", "gateway"}:
+        raise argparse.ArgumentTypeError(
+            "--compare takes NAME=TEMPLATE with a name other than 'direct' and 'gateway', "
+            "e.g. 'baseline={python} -m servegate.cli serve --endpoint {backend} --port {port}'"
+        )
+    return name, template
+
+
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop
     with contextlib.suppress(ImportError):
@@ -354,23 +373,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--startup-timeout", type=float, default=30.0)
     parser.add_argument("--stream", choices=["both", "yes", "no"], default="both")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument(
+        "--compare",
+        type=parse_named_command,
+        action="append",
+        default=[],
+        metavar="NAME=TEMPLATE",
+        help="another gateway to measure in the same rounds (repeatable)",
+    )
     args = parser.parse_args(argv)
+    names = [name for name, _ in args.compare]
+    if len(set(names)) != len(names):
+        parser.error(f"--compare names must differ: {', '.join(names)}")
     streams = {"both": [False, True], "yes": [True], "no": [False]}[args.stream]
     with tempfile.TemporaryDirectory(prefix="servegate-overhead-") as tmp:
         log_dir = Path(tmp)
         backend = start_backend(log_dir, args.chunks, args.startup_timeout)
         servers = {"direct": backend}
-        gateway: Server | None = None
+        gateways: list[Server] = []
+        commands = [] if args.no_gateway else [("gateway", args.gateway_cmd), *args.compare]
         try:
-            if not args.no_gateway:
+            for name, template in commands:
                 gateway, detail = start_gateway(
-                    args.gateway_cmd, backend, log_dir, args.startup_timeout
+                    template, backend, log_dir, args.startup_timeout, name
                 )
                 if gateway is None:
-                    print(f"gateway skipped: {detail}", file=sys.stderr)
+                    print(f"{name} skipped: {detail}", file=sys.stderr)
                 else:
-                    print(f"gateway: {detail}", file=sys.stderr)
-                    servers["gateway"] = gateway
+                    print(f"{name}: {detail}", file=sys.stderr)
+                    servers[name] = gateway
+                    gateways.append(gateway)
             rows: list[Row] = []
             with asyncio.Runner(loop_factory=_loop_factory()) as runner:
                 for stream in streams:
@@ -388,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             )
                         )
         finally:
-            if gateway is not None:
+            for gateway in gateways:
                 gateway.stop()
             backend.stop()
     print(markdown(rows))

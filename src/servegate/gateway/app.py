@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import random
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,7 +198,7 @@ def _request_id(request: web.Request) -> str:
     rid = request.headers.get("X-Request-ID")
     if rid and len(rid) <= 128 and rid.isprintable():
         return rid
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()
 
 
 def _authorise(gw: Gateway, request: web.Request) -> None:
@@ -228,8 +228,11 @@ async def _read_body(gw: Gateway, request: web.Request) -> bytes:
 def route_request(gw: Gateway, llm: LLMRequest) -> PoolRuntime:
     """Rewrite the model (aliases, weighted splits), then find the pool that serves it."""
     runtimes = gw.runtimes
-    served = any(r.pool.resolve_model(llm.model) is not None for r in runtimes)
-    routed = gw.routing.route(llm.model, llm.headers, gw.rng, served)
+    routing = gw.routing
+    served = routing.fallback is not None and any(
+        r.pool.resolve_model(llm.model) is not None for r in runtimes
+    )
+    routed = routing.route(llm.model, llm.headers, gw.rng, served)
     for runtime in runtimes:
         if routed.pool is not None and runtime.name != routed.pool:
             continue
@@ -457,7 +460,11 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
     gw = app[GATEWAY]
     settings = gw.config.gateway
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
-    session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    # No cookie jar: a replica's Set-Cookie goes to the client that caused it, and is
+    # never replayed on other clients' requests.
+    session = aiohttp.ClientSession(
+        connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
+    )
     gw.session = session
     probes = None
     if settings.probe_port is not None:
@@ -467,7 +474,9 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
     # connections first-in first-out, so probes cycling through the request path's pool
     # would keep every idle connection alive forever, and a saturated request pool
     # must not delay a probe.
-    control = gw.control = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    control = gw.control = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar()
+    )
     scaleout = await start_scaleout(gw, app)  # before the runtimes: a follower scrapes nothing
     await start_runtimes(gw, gw.runtimes)
     log.info(
@@ -491,6 +500,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
             await runtime.stop(keep_state=False)
         await control.close()
         await session.close()
+        gw.access_log.flush()
 
 
 async def _stop_queueing(app: web.Application) -> None:

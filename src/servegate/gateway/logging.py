@@ -1,11 +1,13 @@
 """Structured logs: one JSON line per proxied request, and JSON for everything else.
 
 The access line is written with orjson straight to the stream (no logging
-formatter machinery on the hot path); probes and /metrics are never logged.
+formatter machinery on the hot path) and flushed once per event-loop turn, so the
+requests that finish together share one write; probes and /metrics are never logged.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import time
@@ -50,12 +52,28 @@ class AccessLog:
     def __init__(self, stream: IO[bytes] | None = None, enabled: bool = True) -> None:
         self._stream = stream if stream is not None else sys.stdout.buffer
         self.enabled = enabled
+        self._flush_due = False
 
     def write(self, record: AccessRecord) -> None:
         if not self.enabled:
             return
         try:
             self._stream.write(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
+        except (OSError, ValueError):
+            return
+        if self._flush_due:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.flush()
+            return
+        self._flush_due = True
+        loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._flush_due = False
+        try:
             self._stream.flush()
         except (OSError, ValueError):
             pass

@@ -331,11 +331,12 @@ class Proxy:
         response = web.StreamResponse(status=upstream.status, headers=headers)
         await response.prepare(http_request)
         stream = _Passthrough()
-        if not await self._pump(upstream, state, record, started, response, stream):
+        last = await self._pump(upstream, state, record, started, response, stream)
+        if last is None:
             return response
         if USAGE_MARK in stream.tail:
             self._note_usage(record, usage_from_sse_tail(stream.tail))
-        await _end(response, record)
+        await _end(response, record, last)
         return response
 
     async def _pump(
@@ -346,33 +347,34 @@ class Proxy:
         started: float,
         response: web.StreamResponse,
         stream: _Reframer,
-    ) -> bool:
-        """Relays the upstream body through `stream`; False when the client left."""
+    ) -> bytes | None:
+        """Relays the upstream body through `stream`; None when the client left, else the
+        bytes left to send with the end of the response (the upstream's last read, when it
+        ended the body, so that both go out in one write)."""
+        content = upstream.content
         try:
-            async for data in upstream.content.iter_any():
+            async for data in content.iter_any():
                 out = stream.feed(data)
                 if out:
                     if record.ttft_ms is None:
                         record.ttft_ms = (time.monotonic() - started) * 1000.0
+                    if content.at_eof():
+                        return out + stream.finish()
                     await response.write(out)
                 if stream.ended:
                     break
-            last = stream.finish()
-            if last:
-                await response.write(last)
+            return stream.finish()
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
             self._midstream(state, record, exc)
-            await response.write(stream.abort(UpstreamFailed(_midstream_message(state))))
+            return stream.abort(UpstreamFailed(_midstream_message(state)))
         except TimeoutError as exc:
             self._midstream(state, record, exc)
-            await response.write(stream.abort(UpstreamTimeout(_midstream_message(state))))
+            return stream.abort(UpstreamTimeout(_midstream_message(state)))
         except ConnectionResetError:
             # The client left mid-stream: stop the upstream request, no traceback.
             upstream.close()
-            record.status = 499
-            record.error = "client disconnected"
-            return False
-        return True
+            _client_left(record)
+            return None
 
     async def _read(self, upstream: aiohttp.ClientResponse, state: EndpointState) -> bytes:
         try:
@@ -442,7 +444,8 @@ class Proxy:
         await response.prepare(http_request)
         endpoint = state.endpoint
         stream = TritonStream(request, request.max_tokens_for(endpoint), accumulates(endpoint))
-        if not await self._pump(upstream, state, record, started, response, stream):
+        last = await self._pump(upstream, state, record, started, response, stream)
+        if last is None:
             return response
         if stream.error is not None:
             self._failed(state, "midstream")
@@ -450,7 +453,7 @@ class Proxy:
         if stream.usage is not None:
             record.prompt_tokens = stream.usage.prompt_tokens
             record.completion_tokens = stream.usage.completion_tokens
-        await _end(response, record)
+        await _end(response, record, last)
         return response
 
     def _midstream(self, state: EndpointState, record: AccessRecord, exc: BaseException) -> None:
@@ -499,11 +502,19 @@ class _Passthrough:
         return sse_error_event(exc)
 
 
-async def _end(response: web.StreamResponse, record: AccessRecord) -> None:
+async def _end(response: web.StreamResponse, record: AccessRecord, last: bytes) -> None:
     try:
-        await response.write_eof()
+        await response.write_eof(last)
     except ConnectionResetError:
-        record.error = "client disconnected before the end of the stream"
+        if last:
+            _client_left(record)
+        else:
+            record.error = "client disconnected before the end of the stream"
+
+
+def _client_left(record: AccessRecord) -> None:
+    record.status = 499
+    record.error = "client disconnected"
 
 
 def _identity_encoding(headers: Mapping[str, str]) -> dict[str, str]:
