@@ -6,11 +6,12 @@ from collections import Counter
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from servegate.gateway.openapi import openapi_document
 from servegate.testing.cluster import SimCluster
 from servegate.testing.gateway import GatewayRunner
-from tests.integration.conftest import chat, gateway_config, wait_ready
+from tests.integration.conftest import MODEL, chat, gateway_config, wait_for, wait_ready
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 
@@ -119,3 +120,47 @@ async def test_unknown_route_and_method(
         assert (await resp.json())["error"]["code"] == "not_found"
     async with session.get(gateway.url + "/v1/chat/completions") as resp:
         assert resp.status == 405
+
+
+async def test_a_replica_cookie_reaches_its_client_and_no_other(
+    session: aiohttp.ClientSession,
+) -> None:
+    """The gateway's upstream session keeps no cookie jar: what one client's replica set
+    must never ride along on another client's request."""
+    cookies_seen: list[str | None] = []
+
+    async def completions(request: web.Request) -> web.Response:
+        cookies_seen.append(request.headers.get("Cookie"))
+        response = web.json_response({"id": "x", "object": "chat.completion", "choices": []})
+        response.set_cookie("replica-session", "secret-of-client-1")
+        return response
+
+    async def ok(_request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_get("/health", ok)
+    app.router.add_get("/metrics", ok)
+    app.router.add_post("/v1/chat/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    # by host name: aiohttp's default jar ignores cookies from bare IP addresses
+    cfg = gateway_config([f"http://localhost:{port}"])
+    cfg["pool"]["endpoints"][0]["model"] = MODEL
+    try:
+        async with GatewayRunner(cfg) as gw:
+            await wait_for(lambda: gw.gateway.pool.ready_count() == 1, what="ready replica")
+            for _ in range(2):
+                # a fresh client each time: nothing on the client side carries the cookie
+                async with (
+                    aiohttp.ClientSession() as client,
+                    client.post(gw.url + "/v1/chat/completions", json=chat()) as resp,
+                ):
+                    assert resp.status == 200
+                    assert "secret-of-client-1" in resp.headers.get("Set-Cookie", "")
+    finally:
+        await runner.cleanup()
+    assert cookies_seen == [None, None]

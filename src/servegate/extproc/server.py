@@ -116,7 +116,9 @@ class ExtProcServer:
     async def start(self) -> None:
         gw, settings = self.gw, self.settings
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
-        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self._session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
+        )
         gw.session = self._session
         gw.datalayer = build_datalayer(gw, self._session)
         await gw.datalayer.start()

@@ -111,6 +111,7 @@ class GatewayASGI:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0),
                 auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s),
             )
             self._runner = runner
