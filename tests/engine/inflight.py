@@ -1,8 +1,14 @@
-"""Long-running streaming requests that hold an engine in a known state until closed.
+"""Long adapter requests that put a real vLLM server in a known state, and take it out again.
 
-A request is written on a raw socket and never read, so the test decides when it
-ends: closing the socket makes vLLM abort it. With `ignore_eos` and a large
-`max_tokens` the engine keeps it running (or waiting) for as long as the test needs.
+A state such as "a1 and a2 running, a3 waiting for a LoRA slot" cannot be held by
+timing: on a busy 2-core machine the API process can take 10 s to admit the second
+of two requests and 8 s to answer `/metrics`, while a request decodes its whole
+budget in a few seconds. So `holding` sets the state up with the engine paused
+(`POST /pause?mode=keep` freezes the scheduler and its stats; a dev-mode route),
+lets it run only until `/metrics` shows the wanted counts, and freezes it there.
+On exit it aborts every request in the engine (`POST /abort_requests`) and waits
+for an idle page: closing a never-read stream does not reliably abort the request,
+because vLLM only notices the disconnect when the API process gets to it.
 """
 
 from __future__ import annotations
@@ -11,9 +17,16 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from urllib.parse import urlsplit
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from servegate.testing.vllm_cluster import VllmServer, http_request
+
+HOLD_TOKENS = 2000
+"""Decode budget of a holding request: the tiny model's 2048-token context, less the prompt."""
 
 
 class Inflight:
@@ -28,12 +41,25 @@ class Inflight:
         self.sock = socket.create_connection((parts.hostname, parts.port), timeout=30)
         self.sock.sendall(head + payload)
 
+    def accepted(self, timeout_s: float = 60.0) -> None:
+        """Wait for the response head: the API process has handed the request to the engine."""
+        self.sock.settimeout(timeout_s)
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = self.sock.recv(4096)
+            if not chunk:
+                raise AssertionError(f"the server closed the stream before answering: {head!r}")
+            head += chunk
+        status = head.split(b"\r\n", 1)[0]
+        if b" 200 " not in status + b" ":
+            raise AssertionError(f"the server refused a holding request: {head[:500]!r}")
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
 
 
-def long_completion(model: str, prompt: str, tokens: int = 1800) -> dict[str, Any]:
+def long_completion(model: str, prompt: str, tokens: int = HOLD_TOKENS) -> dict[str, Any]:
     return {
         "model": model,
         "prompt": prompt,
@@ -66,3 +92,107 @@ def wait_for(
         if time.monotonic() - started > timeout_s:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(interval_s)
+
+
+def engine_counts(server: VllmServer) -> tuple[float, float]:
+    """(running, waiting) on the engine's `/metrics` page."""
+    families = {f.name: f for f in text_string_to_metric_families(server.metrics_text())}
+
+    def total(name: str) -> float:
+        return sum(s.value for s in families[name].samples)
+
+    return total("vllm:num_requests_running"), total("vllm:num_requests_waiting")
+
+
+def _control(server: VllmServer, path: str, body: bytes = b"") -> None:
+    headers = {"Content-Type": "application/json"}
+    status, _, raw = http_request(f"{server.url}{path}", body, method="POST", headers=headers)
+    if status != 200:
+        raise RuntimeError(f"POST {server.url}{path} answered {status}: {raw[:300]!r}")
+
+
+def pause(server: VllmServer) -> None:
+    """Freeze the scheduler with its requests in place; `/metrics` keeps the last step's state."""
+    _control(server, "/pause?mode=keep")
+
+
+def resume(server: VllmServer) -> None:
+    _control(server, "/resume")
+
+
+def settle(server: VllmServer, timeout_s: float = 60.0) -> None:
+    """Abort whatever the engine runs, resume it, and wait for an idle page."""
+    _control(server, "/abort_requests", b"{}")
+    resume(server)
+    wait_for(
+        lambda: engine_counts(server) == (0.0, 0.0),
+        timeout_s=timeout_s,
+        what=f"{server.url} idle",
+    )
+
+
+class HoldLost(AssertionError):
+    """The engine moved past the wanted state before it could be frozen."""
+
+
+def _admit(
+    server: VllmServer,
+    requests: list[Inflight],
+    bodies: list[dict[str, Any]],
+    want: tuple[float, float],
+    timeout_s: float,
+) -> None:
+    """With the engine paused: send `bodies`, run until the page shows `want`, pause again."""
+    for body in bodies:
+        requests.append(Inflight(server.url, "/v1/completions", body))
+        requests[-1].accepted(timeout_s)
+    resume(server)
+    try:
+        wait_for(lambda: engine_counts(server) == want, timeout_s, f"{want} on {server.url}")
+    except AssertionError as exc:
+        raise HoldLost(str(exc)) from exc
+    finally:
+        pause(server)
+    if (seen := engine_counts(server)) != want:
+        raise HoldLost(f"{server.url} froze at (running, waiting) {seen}, not {want}")
+
+
+@contextlib.contextmanager
+def holding(
+    server: VllmServer,
+    running: Sequence[str],
+    waiting: Sequence[str] = (),
+    *,
+    attempts: int = 3,
+    timeout_s: float = 60.0,
+) -> Iterator[None]:
+    """`server` paused with one long request per adapter in `running` running and per
+    adapter in `waiting` waiting (they must find no free LoRA slot). On exit every
+    request is aborted and the server is idle and running again.
+
+    Inside, `resume(server)` lets the state run on (it then ends when the requests
+    finish, after at least HOLD_TOKENS decode steps).
+    """
+    failures: list[str] = []
+    for _ in range(attempts):
+        requests: list[Inflight] = []
+        settle(server, timeout_s)
+        try:
+            pause(server)
+            try:
+                bodies = [long_completion(a, f"hold {a} running") for a in running]
+                _admit(server, requests, bodies, (float(len(running)), 0.0), timeout_s)
+                if waiting:
+                    bodies = [long_completion(a, f"hold {a} waiting") for a in waiting]
+                    want = (float(len(running)), float(len(waiting)))
+                    _admit(server, requests, bodies, want, timeout_s)
+            except HoldLost as exc:
+                failures.append(str(exc))
+                continue
+            yield
+            return
+        finally:
+            settle(server, timeout_s)
+            for request in requests:
+                request.close()
+    raise AssertionError(f"could not hold {server.url} in the wanted state: {failures}")

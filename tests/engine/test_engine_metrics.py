@@ -2,22 +2,21 @@
 
 The engine is held in a known, non-trivial state while the pages are read: two
 adapter requests (`a1`, `a2`) running and a third adapter (`a3`) waiting, because
-`--max-loras 2` leaves it no slot. The state lasts until a1 and a2 finish (a few
-seconds; less on a busy machine), so an observation counts only when engine pages
-read before and after it both show the state; otherwise the state is set up again.
-The queue, running count and LoRA labels are then equal everywhere; KV usage moves
-while decoding, so it must lie between the before and after values.
+`--max-loras 2` leaves it no slot. `inflight.holding` freezes that state with the
+engine paused, so every page read inside it is the same state and the views must
+be equal, KV usage included.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import aiohttp
+import pytest
 from gateway_process import GatewayProcess
-from inflight import inflight, long_completion, wait_for
+from inflight import holding, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from servegate.datalayer.metrics_parser import MetricsParser
@@ -30,7 +29,6 @@ from servegate.testing.vllm_cluster import VllmCluster, VllmServer
 BLOCK_SIZE = 32
 NUM_BLOCKS = 128
 MAX_LORA = 2
-ONE_BLOCK = 1 / NUM_BLOCKS
 QUEUE = "inference_pool_per_pod_queue_size"
 
 
@@ -77,35 +75,13 @@ def comparable(m: EndpointMetrics) -> tuple[object, ...]:
     return (m.waiting, m.running, round(m.kv_usage, 9), m.block_size, m.num_blocks, m.lora)
 
 
-def held(view: EndpointMetrics) -> bool:
-    return (view.running, view.waiting) == (2.0, 1.0)
-
-
-def held_pages(server: VllmServer, attempts: int = 5) -> Iterator[str]:
-    """`/metrics` pages of `server` in the held state; sets it up again when it ends."""
-    for _ in range(attempts):
-        running = [long_completion(name, f"hold {name} busy") for name in ("a1", "a2")]
-        with inflight(server.url, running):
-            wait_for(
-                lambda: reference_view(server.metrics_text()).running == 2,
-                timeout_s=60,
-                what="a1 and a2 running",
-            )
-            with inflight(server.url, [long_completion("a3", "hold a3 waiting")]):
-                while True:
-                    page = server.metrics_text()
-                    view = reference_view(page)
-                    if held(view):
-                        yield page
-                    elif view.running < 2:
-                        break
-                    time.sleep(0.05)
-        wait_for(
-            lambda: reference_view(server.metrics_text()).running == 0,
-            timeout_s=60,
-            what=f"{server.url} idle again",
-        )
-    raise AssertionError(f"{server.url} left the held state {attempts} times before a check")
+@contextmanager
+def held(server: VllmServer) -> Iterator[EndpointMetrics]:
+    """`server` frozen with a1 and a2 running and a3 waiting; yields the engine's view."""
+    with holding(server, running=("a1", "a2"), waiting=("a3",)):
+        view = reference_view(server.metrics_text())
+        assert (view.running, view.waiting) == (2.0, 1.0), view
+        yield view
 
 
 def test_idle_page_geometry_and_lora_slots(cluster: VllmCluster) -> None:
@@ -130,7 +106,9 @@ def test_idle_page_geometry_and_lora_slots(cluster: VllmCluster) -> None:
 
 
 def test_loaded_page_parses_the_same_both_ways(cluster: VllmCluster) -> None:
-    text = next(held_pages(cluster[0]))
+    server = cluster[0]
+    with held(server):
+        text = server.metrics_text()
     ref = reference_view(text)
     got = servegate_view(text)
     assert comparable(got) == comparable(ref)
@@ -151,22 +129,13 @@ def test_scraper_view_equals_engine_page(cluster: VllmCluster) -> None:
             scraper = Scraper(pool, session, endpoint, MetricsParser(SPEC), ScrapeSettings(1.0))
             return await scraper.scrape_once()
 
-    for page in held_pages(server):
+    with held(server) as before:
         assert asyncio.run(scrape())
-        before, after = reference_view(page), reference_view(server.metrics_text())
-        if held(after):
-            break
+        after = reference_view(server.metrics_text())
+    assert comparable(after) == comparable(before)
     state = pool.get(endpoint.address)
     assert state is not None
-    seen = state.metrics
-    assert (seen.waiting, seen.running, seen.block_size, seen.num_blocks, seen.lora) == (
-        after.waiting,
-        after.running,
-        after.block_size,
-        after.num_blocks,
-        after.lora,
-    )
-    assert before.kv_usage <= seen.kv_usage <= after.kv_usage
+    assert comparable(state.metrics) == comparable(after)
 
 
 def _gateway_gauge(text: str, family: str, pod: str | None = None) -> float:
@@ -183,19 +152,20 @@ def test_gateway_pool_gauges_follow_the_engine(
     gateway: GatewayProcess, cluster: VllmCluster
 ) -> None:
     server = cluster[0]
-    for page in held_pages(server):
+    with held(server) as engine:
+        # the gateway scrapes every 0.1 s; the held state stays until the block ends
+        wait_for(
+            lambda: _gateway_gauge(gateway.metrics_text(), QUEUE, server.address) == 1.0,
+            timeout_s=30,
+            what="the gateway's queue gauge for the held server",
+        )
         text = gateway.metrics_text()
-        before, after = reference_view(page), reference_view(server.metrics_text())
-        # the gateway scrapes every 0.1 s: wait until it has seen the held state
-        if held(after) and _gateway_gauge(text, QUEUE, server.address) == 1.0:
-            break
+    assert _gateway_gauge(text, QUEUE, server.address) == engine.waiting
     for other in cluster:
         if other is not server:
             assert _gateway_gauge(text, QUEUE, other.address) == 0.0
     # average over the pool: server 0's queue (1) and the idle ones' (0)
     assert _gateway_gauge(text, "inference_pool_average_queue_size") == 1.0 / len(cluster)
-    # Idle servers hold no blocks. The gateway's last good scrape of server 0 can be
-    # older than `before` (0.1 s interval, 0.5 s timeout on a busy machine); two
-    # requests decoding fill about 8 blocks a second here, hence 8 blocks of slack.
-    average_kv = _gateway_gauge(text, "inference_pool_average_kv_cache_utilization") * len(cluster)
-    assert before.kv_usage - 8 * ONE_BLOCK <= average_kv <= after.kv_usage + ONE_BLOCK
+    # idle servers hold no blocks, and the held server's usage does not move
+    average_kv = _gateway_gauge(text, "inference_pool_average_kv_cache_utilization")
+    assert average_kv * len(cluster) == pytest.approx(engine.kv_usage, abs=1e-9)

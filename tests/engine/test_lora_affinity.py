@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from gateway_process import GatewayProcess, running_gateway
-from inflight import inflight, long_completion, wait_for
+from inflight import holding, resume, wait_for
 
 from servegate.testing.vllm_cluster import VllmCluster, VllmServer
 
@@ -94,17 +94,16 @@ def while_running(
 ) -> Routes:
     """`check()` while long requests for `adapters` run on `server` (sent straight to it).
 
-    The requests last a few seconds; a check they did not outlast says nothing, so
-    it is run again with fresh requests.
+    `holding` starts the requests together; they then run for at least HOLD_TOKENS
+    decode steps, with the engine resumed so that routed requests are served. A
+    check they did not outlast says nothing, so it is run again with fresh requests.
     """
     for _ in range(attempts):
-        bodies = [long_completion(a, f"keep {a} busy") for a in adapters]
-        with inflight(server.url, bodies):
-            _held(server, set(adapters))
+        with holding(server, running=adapters):
+            resume(server)
             routes = check()
             if routes and running_adapters(server) == set(adapters):
                 return routes
-        _held(server, set())
     raise AssertionError(f"{adapters} stopped running on {server.url} before the check ended")
 
 
