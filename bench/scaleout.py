@@ -28,8 +28,10 @@ import argparse
 import asyncio
 import os
 import platform
+import re
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -90,28 +92,10 @@ async def throughput(args: argparse.Namespace) -> None:
             gateways[n] = server
         await asyncio.sleep(2.0)  # every worker up (the probe answered from one)
         tallies = {n: Tally(latencies=[]) for n in counts}
-        batch = requests_for(args.requests // args.rounds)
-        point = LoadPoint(LoadKind.CONCURRENCY, args.concurrency)
-        options = SendOptions(stream=False, timeout_s=30.0)
-        connector = aiohttp.TCPConnector(limit=0, force_close=args.fresh_connections)
-        async with aiohttp.ClientSession(connector=connector) as session:
-            for server in gateways.values():
-                await run_segment(session, server.url, batch, point, options=options, duration_s=10)
-            for r in range(args.rounds):
-                order = counts if r % 2 == 0 else counts[::-1]
-                for n in order:
-                    server = gateways[n]
-                    before = process_tree_cpu_s(server.process.pid)
-                    seg = await run_segment(
-                        session, server.url, batch, point, options=options, duration_s=60
-                    )
-                    t = tallies[n]
-                    t.cpu_s += process_tree_cpu_s(server.process.pid) - before
-                    t.wall_s += seg.wall_s
-                    t.ok += sum(1 for x in seg.results if x.ok)
-                    t.errors += sum(1 for x in seg.results if not x.ok)
-                    assert t.latencies is not None
-                    t.latencies.extend(x.e2e_s for x in seg.results if x.ok)
+        if args.client == "wrk":
+            await asyncio.to_thread(drive_with_wrk, args, counts, gateways, tallies, log_dir)
+        else:
+            await drive_with_python(args, counts, gateways, tallies)
     finally:
         for server in gateways.values():
             server.stop()
@@ -135,6 +119,87 @@ async def throughput(args: argparse.Namespace) -> None:
         print(
             f"| {n} | {t.ok} / {t.errors} | {rps:.0f} | {p50:.1f} | {cpu:.0f} | {rps / base:.2f}x |"
         )
+
+
+async def drive_with_python(
+    args: argparse.Namespace,
+    counts: list[int],
+    gateways: dict[int, Server],
+    tallies: dict[int, Tally],
+) -> None:
+    """This process's aiohttp client: the same load generator as the other benches."""
+    batch = requests_for(args.requests // args.rounds)
+    point = LoadPoint(LoadKind.CONCURRENCY, args.concurrency)
+    options = SendOptions(stream=False, timeout_s=30.0)
+    connector = aiohttp.TCPConnector(limit=0, force_close=args.fresh_connections)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for server in gateways.values():
+            await run_segment(session, server.url, batch, point, options=options, duration_s=10)
+        for r in range(args.rounds):
+            order = counts if r % 2 == 0 else counts[::-1]
+            for n in order:
+                server = gateways[n]
+                before = process_tree_cpu_s(server.process.pid)
+                seg = await run_segment(
+                    session, server.url, batch, point, options=options, duration_s=60
+                )
+                t = tallies[n]
+                t.cpu_s += process_tree_cpu_s(server.process.pid) - before
+                t.wall_s += seg.wall_s
+                t.ok += sum(1 for x in seg.results if x.ok)
+                t.errors += sum(1 for x in seg.results if not x.ok)
+                assert t.latencies is not None
+                t.latencies.extend(x.e2e_s for x in seg.results if x.ok)
+
+
+WRK_SCRIPT = """wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = [[%s]]
+"""
+
+
+def _wrk_field(pattern: str, out: str) -> str:
+    match = re.search(pattern, out)
+    if match is None:
+        raise RuntimeError(f"wrk printed no {pattern!r}:\n{out}")
+    return match.group(1)
+
+
+def drive_with_wrk(
+    args: argparse.Namespace,
+    counts: list[int],
+    gateways: dict[int, Server],
+    tallies: dict[int, Tally],
+    log_dir: Path,
+) -> None:
+    """wrk (C, one thread) as the load generator: it costs far less CPU than a Python
+    client, so more of the 2 cores is left to the gateway workers."""
+    body = requests_for(1)[0].body(stream=False).decode()
+    script = log_dir / "post.lua"
+    script.write_text(WRK_SCRIPT % body)
+    seconds = max(1, round(args.wrk_seconds))
+    for r in range(args.rounds):
+        order = counts if r % 2 == 0 else counts[::-1]
+        for n in order:
+            server = gateways[n]
+            before = process_tree_cpu_s(server.process.pid)
+            out = subprocess.run(
+                ["wrk", "-t1", f"-c{args.concurrency}", f"-d{seconds}s", "--latency",
+                 "-s", str(script), server.url + "/v1/chat/completions"],
+                capture_output=True, text=True, timeout=seconds + 30, check=True,
+            ).stdout  # fmt: skip
+            t = tallies[n]
+            t.cpu_s += process_tree_cpu_s(server.process.pid) - before
+            done = int(_wrk_field(r"(\d+) requests in", out))
+            bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+            errors = int(bad.group(1)) if bad else 0
+            t.ok += done - errors
+            t.errors += errors
+            t.wall_s += float(_wrk_field(r"requests in ([\d.]+)s", out))
+            p50 = re.search(r"50%\s+([\d.]+)(us|ms|s)", out)
+            if p50 is not None and t.latencies is not None:
+                scale = {"us": 1e-6, "ms": 1e-3, "s": 1.0}[p50.group(2)]
+                t.latencies.append(float(p50.group(1)) * scale)
 
 
 # -- hit rate ---------------------------------------------------------------------------
@@ -217,6 +282,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["throughput", "hitrate", "all"], default="all")
     parser.add_argument("--workers", default="1,2")
+    parser.add_argument(
+        "--client",
+        choices=["python", "wrk"],
+        default="python",
+        help="throughput load generator: this process (aiohttp) or wrk (apt install wrk)",
+    )
+    parser.add_argument("--wrk-seconds", type=float, default=5.0, help="per wrk round")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--requests", type=int, default=480)
