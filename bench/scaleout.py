@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -60,6 +61,7 @@ from prefix_workload import (
     wait_ready,
 )
 from servegate.bench.runner import LoadKind, LoadPoint, SendOptions, run_segment
+from servegate.scheduling.config import DEFAULT_PICKER_CONFIG
 from servegate.testing.cluster import SimCluster
 from servegate.testing.gateway import GatewayRunner
 
@@ -205,10 +207,18 @@ def drive_with_wrk(
 # -- hit rate ---------------------------------------------------------------------------
 
 
-def replica_gateway_config(cluster: SimCluster, scaleout: dict[str, Any] | None) -> dict[str, Any]:
+def replica_gateway_config(
+    cluster: SimCluster, scaleout: dict[str, Any] | None, cold_placement: str = "none"
+) -> dict[str, Any]:
     cfg = gateway_config([{"url": s.url} for s in cluster])
     if scaleout is not None:
         cfg["scaleout"] = scaleout
+    if cold_placement != "none":
+        picker = yaml.safe_load(DEFAULT_PICKER_CONFIG)
+        for plugin in picker["plugins"]:
+            if plugin["type"] == "prefix-cache-scorer":
+                plugin["parameters"] = {"coldPlacement": cold_placement}
+        cfg["picker"] = picker
     return cfg
 
 
@@ -233,7 +243,8 @@ async def hit_rate_once(
         runners = []
         for i in range(replicas):
             scaleout = {"bind": binds[i], "peers": binds, "heartbeat_s": 0.2} if share else None
-            runners.append(GatewayRunner(replica_gateway_config(cluster, scaleout)))
+            cfg = replica_gateway_config(cluster, scaleout, args.cold_placement)
+            runners.append(GatewayRunner(cfg))
         for r in runners:
             await r.__aenter__()
         try:
@@ -261,7 +272,8 @@ async def hit_rates(args: argparse.Namespace) -> None:
     print(
         f"\n### Hit rate: {args.replicas} simulated replicas x {cache} tokens of KV cache, "
         f"{args.groups} prefix groups of {args.prefix_words} words, {args.requests} requests, "
-        f"{args.concurrency} clients, round-robin over the gateways, {args.repeats} runs each\n"
+        f"{args.concurrency} clients, round-robin over the gateways, {args.repeats} runs each, "
+        f"prefix-cache-scorer coldPlacement {args.cold_placement}\n"
     )
     print(
         "| setup | hit rate, median (runs) | vs 1 replica (points) | requests per replica (last run) | errors |"
@@ -287,6 +299,12 @@ def main() -> None:
         choices=["python", "wrk"],
         default="python",
         help="throughput load generator: this process (aiohttp) or wrk (apt install wrk)",
+    )
+    parser.add_argument(
+        "--cold-placement",
+        choices=["none", "hash"],
+        default="none",
+        help="hit rate: the default profile, or with prefix-cache-scorer coldPlacement: hash",
     )
     parser.add_argument("--wrk-seconds", type=float, default=5.0, help="per wrk round")
     parser.add_argument("--concurrency", type=int, default=32)

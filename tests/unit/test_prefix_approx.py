@@ -140,3 +140,47 @@ def test_legacy_character_block_size() -> None:
     params = ApproxPrefixParameters.model_validate({"blockSize": 4})
     scorer = PrefixCacheScorer("p", params)
     assert len(scorer.block_keys(request("abcdefgh"))) == 2
+
+
+def hashed(**params: object) -> PrefixCacheScorer:
+    return PrefixCacheScorer("p", ApproxPrefixParameters.model_validate(params))
+
+
+def test_cold_placement_hash_agrees_across_routers_and_orders() -> None:
+    endpoints = [state(f"10.0.0.{i}:8000") for i in range(4)]
+    prompt = "system prompt of a new group " * 20
+    one, other = hashed(coldPlacement="hash"), hashed(coldPlacement="hash")
+    first = one.score(cycle(), request(prompt), endpoints)
+    second = other.score(cycle(), request(prompt), endpoints[::-1])
+    # exactly one endpoint scores 1.0, and two routers that share nothing pick the same one
+    assert sorted(first) == [0.0, 0.0, 0.0, 1.0]
+    assert endpoints[list(first).index(1.0)] is endpoints[::-1][list(second).index(1.0)]
+
+
+def test_cold_placement_hash_spreads_new_prefixes() -> None:
+    endpoints = [state(f"10.0.0.{i}:8000") for i in range(4)]
+    scorer = hashed(coldPlacement="hash")
+    chosen = [
+        list(scorer.score(cycle(), request(f"group {g} " * 40), endpoints)).index(1.0)
+        for g in range(64)
+    ]
+    # 64 new prefixes over 4 endpoints: every endpoint gets some (uniform: 16 each)
+    assert set(chosen) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize(
+    ("params", "sent", "expected"),
+    [
+        pytest.param({}, None, [0.0, 0.0], id="default-cold-stays-zero"),
+        pytest.param({"coldPlacement": "hash"}, "s" * 256, [1.0, 0.0], id="hash-warm-is-match"),
+        pytest.param({"coldPlacement": "none"}, None, [0.0, 0.0], id="none-cold-zero"),
+    ],
+)
+def test_cold_placement_applies_only_when_nothing_matches(
+    params: dict[str, object], sent: str | None, expected: list[float]
+) -> None:
+    scorer = hashed(**params)
+    a, b = state("a:1"), state("b:1")
+    if sent is not None:
+        scorer.pre_request(request(sent), Decision(endpoint=a, fallbacks=[b]), 0.0)
+    assert list(scorer.score(cycle(), request("s" * 256), [a, b])) == expected

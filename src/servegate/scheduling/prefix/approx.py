@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Literal, Self
 
+import xxhash
 from pydantic import Field
 
 from servegate.pool.endpoint import EndpointState
@@ -44,6 +45,10 @@ class ApproxPrefixParameters(Parameters):
     """Deprecated llm-d field: block size in characters."""
     max_prefix_blocks_to_match: int = Field(256, alias="maxPrefixBlocksToMatch", ge=1)
     lru_capacity_per_server: int = Field(31250, alias="lruCapacityPerServer", ge=1)
+    cold_placement: Literal["none", "hash"] = Field("none", alias="coldPlacement")
+    """servegate: `hash` scores 1.0 for one endpoint chosen by the prompt's first block
+    (rendezvous hashing) when no endpoint has any of its blocks, so that routers that
+    cannot hear each other in time place a new prefix on the same replica."""
 
 
 class ServerLRU:
@@ -170,7 +175,12 @@ class PrefixCacheScorer:
             return [0.0] * len(endpoints)
         matched = self.index.match_lengths(keys, [e.address for e in endpoints])
         total = len(keys)
-        return [matched[e.address] / total for e in endpoints]
+        scores = [matched[e.address] / total for e in endpoints]
+        if self.params.cold_placement == "hash" and endpoints and not any(scores):
+            first = keys[0].to_bytes(8, "little", signed=False)
+            ranks = [xxhash.xxh3_64_intdigest(first + e.address.encode()) for e in endpoints]
+            scores[ranks.index(max(ranks))] = 1.0
+        return scores
 
     def _capacity(self, state: EndpointState) -> int | None:
         if not self.params.auto_tune:
