@@ -208,12 +208,17 @@ def drive_with_wrk(
 
 
 def replica_gateway_config(
-    cluster: SimCluster, scaleout: dict[str, Any] | None, cold_placement: str = "none"
+    cluster: SimCluster,
+    scaleout: dict[str, Any] | None,
+    cold_placement: str = "none",
+    picker_file: str | None = None,
 ) -> dict[str, Any]:
     cfg = gateway_config([{"url": s.url} for s in cluster])
     if scaleout is not None:
         cfg["scaleout"] = scaleout
-    if cold_placement != "none":
+    if picker_file is not None:
+        cfg["picker"] = yaml.safe_load(Path(picker_file).read_text())
+    elif cold_placement != "none":
         picker = yaml.safe_load(DEFAULT_PICKER_CONFIG)
         for plugin in picker["plugins"]:
             if plugin["type"] == "prefix-cache-scorer":
@@ -243,7 +248,7 @@ async def hit_rate_once(
         runners = []
         for i in range(replicas):
             scaleout = {"bind": binds[i], "peers": binds, "heartbeat_s": 0.2} if share else None
-            cfg = replica_gateway_config(cluster, scaleout, args.cold_placement)
+            cfg = replica_gateway_config(cluster, scaleout, args.cold_placement, args.picker)
             runners.append(GatewayRunner(cfg))
         for r in runners:
             await r.__aenter__()
@@ -273,7 +278,7 @@ async def hit_rates(args: argparse.Namespace) -> None:
         f"\n### Hit rate: {args.replicas} simulated replicas x {cache} tokens of KV cache, "
         f"{args.groups} prefix groups of {args.prefix_words} words, {args.requests} requests, "
         f"{args.concurrency} clients, round-robin over the gateways, {args.repeats} runs each, "
-        f"prefix-cache-scorer coldPlacement {args.cold_placement}\n"
+        f"picker {args.picker or 'default, coldPlacement ' + args.cold_placement}\n"
     )
     print(
         "| setup | hit rate, median (runs) | vs 1 replica (points) | requests per replica (last run) | errors |"
@@ -305,6 +310,9 @@ def main() -> None:
         choices=["none", "hash"],
         default="none",
         help="hit rate: the default profile, or with prefix-cache-scorer coldPlacement: hash",
+    )
+    parser.add_argument(
+        "--picker", help="hit rate: an EndpointPickerConfig file for every gateway (all setups)"
     )
     parser.add_argument("--wrk-seconds", type=float, default=5.0, help="per wrk round")
     parser.add_argument("--concurrency", type=int, default=32)
