@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
 from servegate.scaleout.bus import Bus
+from servegate.scaleout.coalesce import Coalescer
 from servegate.scaleout.codec import GONE, INFLIGHT, InFlight, Message
 from servegate.scaleout.settings import ScaleOutSettings
 
@@ -51,7 +52,7 @@ class InFlightSharing:
         self.departed = 0
         self._attached: set[int] = set()
         self._dirty: set[str] = set()
-        self._flush: asyncio.TimerHandle | None = None
+        self._coalesce = Coalescer(settings.coalesce_s, self.flush)
         self._task: asyncio.Task[None] | None = None
         bus.on(INFLIGHT, self.on_snapshot)
         bus.on(GONE, self.on_gone)
@@ -68,8 +69,7 @@ class InFlightSharing:
         self._task = asyncio.get_running_loop().create_task(self._heartbeat(), name="inflight")
 
     async def stop(self) -> None:
-        if self._flush is not None:
-            self._flush.cancel()
+        self._coalesce.cancel()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -78,14 +78,11 @@ class InFlightSharing:
     def _local_changed(self, pool_name: str) -> Callable[[EndpointState], None]:
         def changed(_state: EndpointState) -> None:
             self._dirty.add(pool_name)
-            if self._flush is None:
-                loop = asyncio.get_running_loop()
-                self._flush = loop.call_later(self.settings.coalesce_s, self.flush)
+            self._coalesce.poke()
 
         return changed
 
     def flush(self) -> None:
-        self._flush = None
         dirty, self._dirty = self._dirty, set()
         for pool in self._pools():
             if pool.name in dirty:

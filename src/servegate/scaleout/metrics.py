@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
 from servegate.scaleout.bus import Bus
+from servegate.scaleout.coalesce import Coalescer
 from servegate.scaleout.codec import METRICS, EndpointReport, Message
 from servegate.scaleout.settings import ScaleOutSettings
 
@@ -74,7 +75,7 @@ class MetricsSharing:
         self.takeovers = 0
         self._attached: set[int] = set()
         self._dirty: dict[str, set[str]] = {}
-        self._flush: asyncio.TimerHandle | None = None
+        self._coalesce = Coalescer(METRICS_COALESCE_S, self.flush)
         self._task: asyncio.Task[None] | None = None
         if not leader:
             bus.on(METRICS, self.on_reports)
@@ -100,8 +101,7 @@ class MetricsSharing:
         self._task = loop.create_task(work, name="shared metrics")
 
     async def stop(self) -> None:
-        if self._flush is not None:
-            self._flush.cancel()
+        self._coalesce.cancel()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -110,14 +110,11 @@ class MetricsSharing:
     def _changed(self, pool_name: str) -> Callable[[EndpointState], None]:
         def changed(state: EndpointState) -> None:
             self._dirty.setdefault(pool_name, set()).add(state.address)
-            if self._flush is None:
-                loop = asyncio.get_running_loop()
-                self._flush = loop.call_later(METRICS_COALESCE_S, self.flush)
+            self._coalesce.poke()
 
         return changed
 
     def flush(self) -> None:
-        self._flush = None
         dirty, self._dirty = self._dirty, {}
         for pool in self._pools():
             addresses = dirty.get(pool.name)

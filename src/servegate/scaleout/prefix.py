@@ -10,10 +10,10 @@ worker or replica warms up from live traffic.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable, Sequence
 
 from servegate.scaleout.bus import Bus
+from servegate.scaleout.coalesce import Coalescer
 from servegate.scaleout.codec import PREFIX, Message, PrefixInsert
 from servegate.scaleout.settings import ScaleOutSettings
 from servegate.scheduling.prefix.approx import InsertHook, PrefixCacheScorer
@@ -30,7 +30,7 @@ class PrefixSharing:
         self.applied = 0
         self.unmatched = 0
         self._pending: dict[str, list[PrefixInsert]] = {}
-        self._flush: asyncio.TimerHandle | None = None
+        self._coalesce = Coalescer(settings.coalesce_s, self.flush)
         bus.on(PREFIX, self.on_insertions)
 
     def attach(self, runtimes: Iterable[tuple[str, Scheduler]]) -> None:
@@ -44,9 +44,7 @@ class PrefixSharing:
         self.scorers = scorers
 
     def stop(self) -> None:
-        if self._flush is not None:
-            self._flush.cancel()
-            self._flush = None
+        self._coalesce.cancel()
         for scorer in self.scorers.values():
             scorer.on_insert = None
 
@@ -55,17 +53,13 @@ class PrefixSharing:
             batch = self._pending.setdefault(pool_name, [])
             batch.append(PrefixInsert(plugin, address, capacity, tuple(keys)))
             if len(batch) >= MAX_BATCH:
-                self.flush()
-            elif self._flush is None:
-                loop = asyncio.get_running_loop()
-                self._flush = loop.call_later(self.settings.coalesce_s, self.flush)
+                self._coalesce.now()
+            else:
+                self._coalesce.poke()
 
         return inserted
 
     def flush(self) -> None:
-        if self._flush is not None:
-            self._flush.cancel()
-            self._flush = None
         pending, self._pending = self._pending, {}
         for pool_name, batch in pending.items():
             self.bus.publish(Message(PREFIX, self.bus.origin, pool_name, tuple(batch)))
