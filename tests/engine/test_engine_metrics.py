@@ -152,14 +152,20 @@ def test_gateway_pool_gauges_follow_the_engine(
     gateway: GatewayProcess, cluster: VllmCluster
 ) -> None:
     server = cluster[0]
+
+    def caught_up() -> bool:
+        """The gateway shows the held queue and the KV usage the engine's page shows now
+        (a scrape taken while the state was being built can show the queue first)."""
+        page = gateway.metrics_text()
+        kv = _gateway_gauge(page, "inference_pool_average_kv_cache_utilization") * len(cluster)
+        now = reference_view(server.metrics_text()).kv_usage
+        return _gateway_gauge(page, QUEUE, server.address) == 1.0 and abs(kv - now) <= 1e-9
+
     with held(server) as engine:
         # the gateway scrapes every 0.1 s; the held state stays until the block ends
-        wait_for(
-            lambda: _gateway_gauge(gateway.metrics_text(), QUEUE, server.address) == 1.0,
-            timeout_s=30,
-            what="the gateway's queue gauge for the held server",
-        )
+        wait_for(caught_up, timeout_s=30, what="the gateway's gauges for the held server")
         text = gateway.metrics_text()
+        engine = reference_view(server.metrics_text())
     assert _gateway_gauge(text, QUEUE, server.address) == engine.waiting
     for other in cluster:
         if other is not server:
