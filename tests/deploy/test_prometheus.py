@@ -28,7 +28,7 @@ import yaml
 from servegate.testing.cluster import SimCluster
 from servegate.testing.gateway import GatewayRunner
 from tests.deploy.fake_dcgm import FakeDcgmExporter, Gpu
-from tests.deploy.kustomize import build
+from tests.deploy.render import build
 from tests.integration.conftest import FAST_SIM, MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +56,7 @@ def free_port() -> int:
 
 
 def dashboard_expressions() -> list[str]:
-    dashboard = json.loads((MONITORING / "grafana" / "servegate.json").read_text())
+    dashboard = json.loads((MONITORING / "dashboards" / "servegate.json").read_text())
     return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
 
 
