@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import re
 import shutil
@@ -56,8 +55,10 @@ def free_port() -> int:
 
 
 def dashboard_expressions() -> list[str]:
-    dashboard = json.loads((MONITORING / "dashboards" / "servegate.json").read_text())
-    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    """Each panel query with Grafana's variables as a user in namespace servegate sets them."""
+    from tests.deploy.test_dashboard import expressions, load, substitute
+
+    return [substitute(e) for e in expressions(load())]
 
 
 def adapter_expressions() -> list[str]:
@@ -167,12 +168,17 @@ async def prometheus(config: dict[str, Any], workdir: Path) -> AsyncIterator[str
 
 
 async def load(
-    session: aiohttp.ClientSession, url: str, worker: int, counts: dict[int, int]
+    session: aiohttp.ClientSession, url: str, worker: int, counts: dict[str, int]
 ) -> None:
+    """Chat requests; of every ten, one asks the simulators for a 503 (`X-Return-Error`)
+    and one names no served model (the gateway's own 404), so the error panels (upstream
+    errors, retries, errors answered) have data too."""
     n = 0
     while True:
+        faulty = n % 10 in (4, 9)
+        headers = {"X-Return-Error": "503"} if n % 10 == 9 else {}
         body = {
-            "model": MODEL,
+            "model": "no-such-model" if n % 10 == 4 else MODEL,
             "messages": [
                 {"role": "system", "content": PREFIX},
                 {"role": "user", "content": f"question {worker}-{n % 4}"},
@@ -183,9 +189,10 @@ async def load(
         }
         if body["stream_options"] is None:
             del body["stream_options"]
-        async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+        async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
             await resp.read()
-            counts[resp.status] = counts.get(resp.status, 0) + 1
+            key = f"{'injected ' if faulty else ''}{resp.status}"
+            counts[key] = counts.get(key, 0) + 1
         n += 1
 
 
@@ -215,6 +222,9 @@ async def test_every_dashboard_and_adapter_query_returns_data(tmp_path: Path) ->
                 "health": {"interval_s": 0.1},
                 "endpoints": [{"url": u} for u in cluster.urls],
             },
+            "outlier_detection": {"enabled": False},  # the injected 503s eject nothing
+            # a replica on the scale-out bus, as in the cluster (no peers here: 0 of them)
+            "scaleout": {"bind": f"tcp://127.0.0.1:{free_port()}"},
         }
         async with (
             GatewayRunner(gateway_cfg) as gw,
@@ -224,7 +234,7 @@ async def test_every_dashboard_and_adapter_query_returns_data(tmp_path: Path) ->
             sims = [h.address for h in cluster]
             config = prometheus_config(f"127.0.0.1:{gw.port}", sims, dcgm.address)
             async with prometheus(config, tmp_path) as prom:
-                counts: dict[int, int] = {}
+                counts: dict[str, int] = {}
                 workers = [asyncio.create_task(load(session, gw.url, w, counts)) for w in range(3)]
                 pending = {e: "not asked yet" for e in expressions}
                 deadline = time.monotonic() + EVALUATION_DEADLINE_S
@@ -255,7 +265,11 @@ async def test_every_dashboard_and_adapter_query_returns_data(tmp_path: Path) ->
                 "model-servers",
                 "dcgm-exporter",
             }
-            assert set(counts) == {200}, counts
+            assert {k for k in counts if not k.startswith("injected")} == {"200"}, counts
+            assert {k for k in counts if k.startswith("injected")} == {
+                "injected 503",
+                "injected 404",
+            }, counts
             assert not pending, "\n".join(f"{e}\n    -> {why}" for e, why in pending.items())
 
 

@@ -77,6 +77,7 @@ async def pick(gw: Gateway, llm: LLMRequest, subset: Sequence[str] | None) -> Ro
     except NoCandidates as exc:
         raise NoEndpoints(f"no endpoint fits the request for model `{llm.model}`") from exc
     gw.metrics.decision.observe(time.perf_counter() - t0)
+    gw.metrics.observe_pick(gw.pool.name, decision)
     gw.scheduler.pre_request(llm, decision, now)
     targets = tuple(decision.targets[: gw.config.gateway.max_retries + 1])
     return Routed(decision=decision, targets=targets)

@@ -286,6 +286,7 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
                 f"no endpoint fits the request for model `{llm.target_model}`"
             ) from exc
         gw.metrics.decision.observe(time.perf_counter() - t0)
+        gw.metrics.observe_pick(rt.name, decision)
         rt.scheduler.pre_request(llm, decision, now)
         extra = {"X-Request-ID": rid, QUEUE_DURATION_HEADER: queue_ms(queued_s)}
         rt.cache_routing.headers(llm, decision, extra)

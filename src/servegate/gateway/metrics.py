@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from servegate.pool.pool import Pool
+    from servegate.scheduling.framework import Decision
 
 LATENCY_BUCKETS = (
     0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5, 6, 8, 10,
@@ -28,6 +29,8 @@ TOKEN_BUCKETS = (
 DECISION_BUCKETS = (
     0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1,
 )  # fmt: skip
+SCORE_BUCKETS = (0.0, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+"""Weighted scores: a scorer's 0-1 score times its weight in the profile."""
 
 
 class _PoolCollector(Collector):
@@ -188,7 +191,15 @@ class GatewayMetrics:
             ["result"],
             registry=r,
         )
+        self.picked_score = Histogram(
+            "servegate_scheduler_picked_score",
+            "Each scorer's weighted score for the endpoint the scheduler picked, by pool.",
+            ["name", "scorer"],
+            buckets=SCORE_BUCKETS,
+            registry=r,
+        )
         r.register(_PoolCollector(pools))
+        self._score_children: dict[tuple[str, str], Histogram] = {}
         self._objective_children: dict[tuple[str, str], ObjectiveSeries] = {}
         self._response_children: dict[int, Counter] = {}
 
@@ -213,6 +224,22 @@ class GatewayMetrics:
             )
             self._objective_children[key] = children
         return children
+
+    def observe_pick(self, pool: str, decision: Decision) -> None:
+        """Record the picked endpoint's per-scorer scores in its profile (the dashboard's
+        "scores" panel): which signals decide, and how strongly."""
+        result = decision.results.get(decision.profile)
+        if result is None:
+            return
+        row = result.scores.get(decision.endpoint.endpoint.address)
+        if not row:
+            return
+        children = self._score_children
+        for scorer, value in row.items():
+            child = children.get((pool, scorer))
+            if child is None:
+                child = children[(pool, scorer)] = self.picked_score.labels(pool, scorer)
+            child.observe(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
