@@ -51,6 +51,9 @@ def settings(kubeconfig: Path, **extra: Any) -> KubernetesDiscoverySettings:
         "backoff_initial_s": 0.02,
         "backoff_max_s": 0.1,
         "watch_timeout_s": 5,
+        # the pod tests count requests and injected failures: no objective/rewrite watches
+        "watch_objectives": False,
+        "watch_model_rewrites": False,
         **extra,
     }
     if "inference_pool" not in extra:

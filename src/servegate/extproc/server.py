@@ -36,6 +36,7 @@ from servegate.config import ExtProcSettings, ServegateConfig
 from servegate.extproc.protocol import SERVICE_NAME, Message, ProtocolMismatch
 from servegate.extproc.stream import ExtProcStream
 from servegate.gateway.app import Gateway, build_datalayer, build_gateway
+from servegate.gateway.cluster_policy import apply_cluster_policy
 from servegate.pool.discovery import Discovery, start_discovery
 
 log = logging.getLogger("servegate.extproc")
@@ -124,6 +125,8 @@ class ExtProcServer:
         await gw.datalayer.start()
         await gw.cache_routing.start(self._session)
         self._discovery = await start_discovery(gw.config.pool.discovery, gw.pool)
+        gw.default.state.discovery = self._discovery  # its objectives reach admission
+        apply_cluster_policy(gw)
 
         self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
         add_ExternalProcessorServicer_to_server(PickerServicer(gw), self._grpc)

@@ -29,6 +29,7 @@ from servegate.engines.registry import EngineRegistry
 from servegate.gateway.admin import add_admin_routes
 from servegate.gateway.admission import QUEUE_DURATION_HEADER, GatewayAdmission, queue_ms
 from servegate.gateway.cache_routing import CacheRouting
+from servegate.gateway.cluster_policy import apply_cluster_policy
 from servegate.gateway.disagg import Disaggregator
 from servegate.gateway.errors import (
     BadRequest,
@@ -480,6 +481,8 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
     )
     scaleout = await start_scaleout(gw, app)  # before the runtimes: a follower scrapes nothing
     await start_runtimes(gw, gw.runtimes)
+    apply_cluster_policy(gw)  # and again whenever the cluster's objects or the config change
+    gw.reload_listeners.append(apply_cluster_policy)
     log.info(
         "gateway started",
         extra={

@@ -8,9 +8,15 @@ replay from a `resourceVersion`, 410 Gone once history is compacted, and the
 filtered-watch rule of the real API server (an object that stops matching a
 `labelSelector` arrives as DELETED, one that starts matching as ADDED).
 
+Besides pods and InferencePools it serves the Gateway API Inference Extension's
+InferenceObjectives and InferenceModelRewrites, at their one real group/version
+(`inference.networking.x-k8s.io/v1alpha2`): any other version is a 404, and so is
+every path of a CRD left out of `crds` (not installed in this cluster).
+
     async with FakeKubeApi(token="t") as api:
         api.write_kubeconfig(path, namespace="llm")
         api.add_pod("vllm-0", "127.0.0.1", {"app": "vllm"}, ready=True)
+        api.set_objective("batch", priority=-1, pool="qwen-pool")
         api.expire()            # open watches get ERROR 410; old versions are gone
 """
 
@@ -33,6 +39,16 @@ from aiohttp import web
 JSON = dict[str, Any]
 POOL_GROUP = "inference.networking.k8s.io"
 POOL_VERSION = "v1"
+X_GROUP = "inference.networking.x-k8s.io"
+X_VERSION = "v1alpha2"
+KINDS = {
+    "pods": ("Pod", "PodList"),
+    "inferencepools": ("InferencePool", "InferencePoolList"),
+    "inferenceobjectives": ("InferenceObjective", "InferenceObjectiveList"),
+    "inferencemodelrewrites": ("InferenceModelRewrite", "InferenceModelRewriteList"),
+}
+API_VERSIONS = {"pods": "v1", "inferencepools": f"{POOL_GROUP}/{POOL_VERSION}"}
+CRDS = ("inferencepools", "inferenceobjectives", "inferencemodelrewrites")
 
 _KEY = r"[A-Za-z0-9][A-Za-z0-9./_-]*"
 _SET = re.compile(rf"^(?P<key>{_KEY})\s+(?P<op>in|notin)\s*\((?P<values>[^)]*)\)$")
@@ -131,15 +147,18 @@ class FakeKubeApi:
         token: str | None = None,
         bookmark_interval_s: float = 0.5,
         gone_as: str = "event",
+        crds: tuple[str, ...] = CRDS,
     ) -> None:
         """`gone_as`: how a watch from a compacted version fails — `event` (a 200
         stream whose only event is ERROR 410, as the API server answers) or `status`
-        (HTTP 410 with a Status body)."""
+        (HTTP 410 with a Status body). `crds`: the custom resources installed; the
+        others answer 404 as on a cluster without their CRD."""
         self.namespace = namespace
         self.token = token
         self.bookmark_interval_s = bookmark_interval_s
         self.gone_as = gone_as
-        self.objects: dict[str, dict[str, JSON]] = {"pods": {}, "inferencepools": {}}
+        self.crds = set(crds)
+        self.objects: dict[str, dict[str, JSON]] = {resource: {} for resource in KINDS}
         self.requests: list[tuple[str, dict[str, str]]] = []
         """(path, query) of every request, in order."""
         self.fail_next: list[int] = []
@@ -157,6 +176,10 @@ class FakeKubeApi:
         app = web.Application()
         app.router.add_get("/api/v1/namespaces/{ns}/pods", self._pods)
         app.router.add_get("/apis/{group}/{version}/namespaces/{ns}/inferencepools", self._pools)
+        for resource in ("inferenceobjectives", "inferencemodelrewrites"):
+            app.router.add_get(
+                f"/apis/{{group}}/{{version}}/namespaces/{{ns}}/{resource}", self._x_resource
+            )
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -343,6 +366,78 @@ class FakeKubeApi:
         old = self.objects["inferencepools"][name]
         self._commit("inferencepools", "DELETED", copy.deepcopy(old), old)
 
+    def _set_x(self, resource: str, name: str, spec: JSON) -> JSON:
+        """Create or replace the spec of an x-k8s.io object, as `kubectl apply` does:
+        a spec change bumps `metadata.generation`; `creationTimestamp` stays."""
+        old = self.objects[resource].get(name)
+        if old is not None:
+            obj = copy.deepcopy(old)
+            if obj["spec"] != spec:
+                obj["metadata"]["generation"] += 1
+        else:
+            obj = {
+                "apiVersion": f"{X_GROUP}/{X_VERSION}",
+                "kind": KINDS[resource][0],
+                "metadata": {
+                    "name": name,
+                    "namespace": self.namespace,
+                    "uid": str(uuid.uuid4()),
+                    "generation": 1,
+                    "creationTimestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                },
+                "status": {
+                    "conditions": [
+                        {
+                            "type": "Accepted",
+                            "status": "Unknown",
+                            "reason": "Pending",
+                            "message": "Waiting for controller",
+                            "lastTransitionTime": "1970-01-01T00:00:00Z",
+                        }
+                    ]
+                },
+            }
+        obj["spec"] = copy.deepcopy(spec)
+        self._commit(resource, "MODIFIED" if old else "ADDED", obj, old)
+        return obj
+
+    @staticmethod
+    def pool_ref(pool: str) -> JSON:
+        """A `poolRef` as the API server stores it (the CRD's defaults filled in)."""
+        return {"group": POOL_GROUP, "kind": "InferencePool", "name": pool}
+
+    def set_objective(self, name: str, priority: int | None, pool: str) -> JSON:
+        """An InferenceObjective; `priority` None leaves the field out (treated as 0)."""
+        spec: JSON = {"poolRef": self.pool_ref(pool)}
+        if priority is not None:
+            spec["priority"] = priority
+        return self._set_x("inferenceobjectives", name, spec)
+
+    def delete_objective(self, name: str) -> None:
+        old = self.objects["inferenceobjectives"][name]
+        self._commit("inferenceobjectives", "DELETED", copy.deepcopy(old), old)
+
+    def set_model_rewrite(
+        self, name: str, pool: str, model: str | None, targets: Mapping[str, int | None]
+    ) -> JSON:
+        """An InferenceModelRewrite with one rule: `model` (None = every model nothing
+        else serves) to `targets` (modelRewrite → weight, None = no weight)."""
+        rule: JSON = {
+            "targets": [
+                {"modelRewrite": target, **({"weight": weight} if weight is not None else {})}
+                for target, weight in targets.items()
+            ]
+        }
+        if model is not None:
+            rule["matches"] = [{"model": {"type": "Exact", "value": model}}]
+        return self._set_x(
+            "inferencemodelrewrites", name, {"poolRef": self.pool_ref(pool), "rules": [rule]}
+        )
+
+    def delete_model_rewrite(self, name: str) -> None:
+        old = self.objects["inferencemodelrewrites"][name]
+        self._commit("inferencemodelrewrites", "DELETED", copy.deepcopy(old), old)
+
     # -- watch control -----------------------------------------------------------------
     def pause(self) -> None:
         """Stop delivering changes to open watches (a slow or partitioned watch)."""
@@ -429,8 +524,22 @@ class FakeKubeApi:
         return await self._serve(request, "pods", "PodList", "v1")
 
     async def _pools(self, request: web.Request) -> web.StreamResponse:
+        if "inferencepools" not in self.crds:
+            return self._not_found(request)
         api_version = f"{request.match_info['group']}/{request.match_info['version']}"
         return await self._serve(request, "inferencepools", "InferencePoolList", api_version)
+
+    async def _x_resource(self, request: web.Request) -> web.StreamResponse:
+        resource = request.path.rsplit("/", 1)[1]
+        group, version = request.match_info["group"], request.match_info["version"]
+        if resource not in self.crds or (group, version) != (X_GROUP, X_VERSION):
+            return self._not_found(request)
+        return await self._serve(request, resource, KINDS[resource][1], f"{X_GROUP}/{X_VERSION}")
+
+    def _not_found(self, request: web.Request) -> web.Response:
+        """What the API server answers for a resource no installed CRD defines."""
+        self.requests.append((request.path, dict(request.query)))
+        return self._status(404, "NotFound", "the server could not find the requested resource")
 
     async def _serve(
         self, request: web.Request, resource: str, list_kind: str, api_version: str
@@ -498,8 +607,8 @@ class FakeKubeApi:
                     event = {
                         "type": "BOOKMARK",
                         "object": {
-                            "kind": "Pod" if resource == "pods" else "InferencePool",
-                            "apiVersion": "v1",
+                            "kind": KINDS[resource][0],
+                            "apiVersion": API_VERSIONS.get(resource, f"{X_GROUP}/{X_VERSION}"),
                             "metadata": {"resourceVersion": str(watch.last_rv)},
                         },
                     }

@@ -9,6 +9,10 @@ Endpoints join and leave the `Pool` in place; the data layer follows the pool.
 
 An address belongs to the pod that claimed it last: a pod IP reused by a new pod
 before the old pod's DELETED event arrives is not dropped by that late event.
+
+Two more reflectors follow the namespace's InferenceObjectives and
+InferenceModelRewrites into `policy` (policy.py), which the gateway applies; a
+cluster without their CRD answers 404 and simply has none.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from urllib.parse import quote
 
 from servegate.pool.discovery.kubeapi import KubeApi
 from servegate.pool.discovery.pods import Target, inference_pool_target, pod_endpoints, pod_name
+from servegate.pool.discovery.policy import ClusterPolicy
 from servegate.pool.discovery.reflector import Backoff, Reflector, ReflectorStats
 from servegate.pool.discovery.settings import KubernetesDiscoverySettings
 from servegate.pool.endpoint import Endpoint
@@ -49,6 +54,19 @@ class KubernetesDiscovery:
         self.inference_pool: Reflector | None = None
         if settings.inference_pool is not None:
             self.inference_pool = self._pool_reflector(settings.inference_pool)
+        self.policy: ClusterPolicy | None = None
+        self.policy_reflectors: list[Reflector] = []
+        if settings.watch_objectives or settings.watch_model_rewrites:
+            self.policy = ClusterPolicy(settings.inference_pool or pool.name, pool.name)
+            if settings.watch_objectives:
+                self.policy_reflectors.append(
+                    self._policy_reflector("inferenceobjectives", "InferenceObjective")
+                )
+            if settings.watch_model_rewrites:
+                self.policy_reflectors.append(
+                    self._policy_reflector("inferencemodelrewrites", "InferenceModelRewrite")
+                )
+        self._policy_tasks: list[asyncio.Task[None]] = []
         self._endpoints: dict[str, tuple[Endpoint, ...]] = {}
         self._owner: dict[str, str] = {}
         self._pod_task: asyncio.Task[None] | None = None
@@ -63,13 +81,18 @@ class KubernetesDiscovery:
             self._pool_task = asyncio.create_task(self.inference_pool.run())
         elif self.target is not None:
             self._pod_task = asyncio.create_task(self.pods.run())
+        self._policy_tasks = [asyncio.create_task(r.run()) for r in self.policy_reflectors]
         log.info(
             "kubernetes discovery started",
             extra={"fields": {"namespace": self.namespace, "target": self._describe()}},
         )
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._pool_task, self._pod_task, *self._retired) if t is not None]
+        tasks = [
+            t
+            for t in (self._pool_task, self._pod_task, *self._retired, *self._policy_tasks)
+            if t is not None
+        ]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -77,6 +100,7 @@ class KubernetesDiscovery:
                 await task
         self._pool_task = self._pod_task = None
         self._retired.clear()
+        self._policy_tasks = []
         await self.api.close()
 
     async def wait_synced(self, timeout: float) -> bool:
@@ -160,6 +184,25 @@ class KubernetesDiscovery:
             self._endpoints[name] = endpoints
         else:
             self._endpoints.pop(name, None)
+
+    # -- objectives and model rewrites ---------------------------------------------------
+    def _policy_reflector(self, resource: str, kind: str) -> Reflector:
+        assert self.policy is not None
+        path = (
+            f"/apis/{self.settings.extension_api}/namespaces/"
+            f"{quote(self.namespace, safe='')}/{resource}"
+        )
+        return Reflector(
+            self.api,
+            path,
+            {},
+            self.policy.replacer(kind),
+            self.policy.applier(kind),
+            Backoff(self.settings.backoff_initial_s, self.settings.backoff_max_s),
+            self.settings.watch_timeout_s,
+            f"{kind}s in {self.namespace}",
+            absent_ok=True,
+        )
 
     # -- the InferencePool ------------------------------------------------------------
     def _pool_reflector(self, name: str) -> Reflector:

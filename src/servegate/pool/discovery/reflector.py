@@ -7,6 +7,10 @@ version; a 410 Gone (an HTTP status or an ERROR event: the version was
 compacted away) lists again, and the full list replaces what the store held, so
 objects deleted while nobody watched leave too. Failures back off exponentially
 with jitter, reset by the first good answer.
+
+With `absent_ok` (a custom resource whose CRD may not be installed), a 404 on the
+list counts as an empty collection: the store is emptied, the reflector is synced,
+and it lists again every `backoff.max_s`, logging the absence once.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ class Reflector:
         backoff: Backoff,
         watch_timeout_s: int,
         what: str,
+        absent_ok: bool = False,
     ) -> None:
         """`replace(items)` after each list, `apply(type, object)` per watch event."""
         self.api = api
@@ -90,6 +95,9 @@ class Reflector:
         self.stats = ReflectorStats()
         self.synced = asyncio.Event()
         self._unproven = False
+        self.absent_ok = absent_ok
+        self.absent = False
+        """The last list answered 404 (with `absent_ok`)."""
 
     async def _list(self) -> str:
         doc = await self.api.get(self.path, self.params)
@@ -104,6 +112,7 @@ class Reflector:
         self.stats.synced = True
         self.synced.set()
         self._unproven = True
+        self.absent = False
         return rv
 
     async def _watch(self, rv: str) -> str:
@@ -140,6 +149,15 @@ class Reflector:
             self.backoff.reset()
         return rv
 
+    async def _absent(self, exc: KubeApiError) -> None:
+        if not self.absent:
+            log.info("%s: not served (%s); none until it is", self.what, exc)
+        self.absent = True
+        self.replace([])
+        self.stats.synced = True
+        self.synced.set()
+        await asyncio.sleep(self.backoff.max_s)
+
     async def run(self) -> None:
         """Until cancelled: never raises for API trouble, only logs and backs off."""
         rv: str | None = None
@@ -157,6 +175,10 @@ class Reflector:
                 if self._unproven:
                     await asyncio.sleep(self.backoff.next())
             except KubeApiError as exc:
+                if rv is None and exc.status == 404 and self.absent_ok:
+                    await self._absent(exc)
+                    continue
+                self.absent = False
                 self.stats.errors += 1
                 delay = self.backoff.next()
                 log.warning("%s: %s; retrying in %.1f s", self.what, exc, delay)

@@ -15,6 +15,10 @@ target ports written here or by reading an `InferencePool` object::
     pool:
       discovery: {kind: kubernetes, inference_pool: qwen-pool}
 
+Either way the namespace's InferenceObjectives (priorities) and InferenceModelRewrites
+(model aliases and weighted splits) whose `poolRef` names the pool are read too and
+followed as they change (`watch_objectives`, `watch_model_rewrites`; policy.py).
+
 `ray` follows the model-server replicas of a Ray Serve application (deploy/ray)::
 
     pool:
@@ -117,6 +121,15 @@ class KubernetesDiscoverySettings(_Strict):
     kv_events_annotation: str = KV_EVENTS_ANNOTATION
     """A pod annotation holding the KV-events port (or a full `tcp://…` endpoint)."""
     kv_events_replay_annotation: str = KV_EVENTS_REPLAY_ANNOTATION
+    watch_objectives: bool = True
+    """Apply the InferenceObjectives whose poolRef names this pool (`inference_pool`, else
+    the pool's name) as `flow_control.objectives`; a cluster object wins over a config
+    entry of the same name. No CRD installed = none."""
+    watch_model_rewrites: bool = True
+    """Apply the InferenceModelRewrites whose poolRef names this pool after the config's
+    `model_rewrites`: a model the config (or an older rewrite) matches keeps that match."""
+    extension_api: str = "inference.networking.x-k8s.io/v1alpha2"
+    """`group/version` of InferenceObjective and InferenceModelRewrite."""
     kubeconfig: str | None = None
     """A kubeconfig file; None = in-cluster when running in a pod, else $KUBECONFIG or ~/.kube/config."""
     context: str | None = None
@@ -151,9 +164,10 @@ class KubernetesDiscoverySettings(_Strict):
             )
         if self.backoff_max_s < self.backoff_initial_s:
             raise ValueError("backoff_max_s must be at least backoff_initial_s")
-        group, sep, version = self.inference_pool_api.partition("/")
-        if not sep or not group or not version:
-            raise ValueError("inference_pool_api must look like group/version")
+        for name in ("inference_pool_api", "extension_api"):
+            group, sep, version = getattr(self, name).partition("/")
+            if not sep or not group or not version:
+                raise ValueError(f"{name} must look like group/version")
         return self
 
 
