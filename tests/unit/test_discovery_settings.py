@@ -92,6 +92,11 @@ ERROR_CASES = [
     pytest.param(
         "kind: kubernetes\ninference_pool: p\ninference_pool_api: v1", "group/version", id="api"
     ),
+    pytest.param(
+        "kind: kubernetes\ninference_pool: p\nextension_api: v1alpha2",
+        "extension_api must look like group/version",
+        id="extension-api",
+    ),
 ]
 
 
@@ -119,3 +124,5 @@ def test_kubernetes_section_loads() -> None:
     assert discovery.selector is not None
     assert discovery.selector.to_query() == "app=vllm"
     assert discovery.kv_events_port == 5557
+    assert discovery.watch_objectives and discovery.watch_model_rewrites
+    assert discovery.extension_api == "inference.networking.x-k8s.io/v1alpha2"
