@@ -81,7 +81,13 @@ def _request(lora: str | None) -> LLMRequest:
 
 
 def run(
-    config: str, lora: str | None, n: int, endpoints: int, seed: int, exhaustive: bool = False
+    config: str,
+    lora: str | None,
+    n: int,
+    endpoints: int,
+    seed: int,
+    exhaustive: bool = False,
+    clock: str = "wall",
 ) -> list[float]:
     rng = random.Random(seed)
     scheduler = load_picker_config(config, PluginContext(staleness_s=2.0))
@@ -95,7 +101,7 @@ def run(
         s.metrics.lora = LoraInfo(max_lora=2, running=running)
     request = _request(lora)
     cycle_rng = random.Random(seed + 1)
-    perf = time.perf_counter_ns
+    perf = time.perf_counter_ns if clock == "wall" else time.thread_time_ns
     samples: list[float] = []
     for i in range(n + n // 10):
         cycle = CycleState(now=100.0 + i * 1e-3, rng=cycle_rng)
@@ -123,11 +129,17 @@ def main(argv: list[str] | None = None) -> int:
         "--exhaustive", action="store_true", help="also time scoring every candidate"
     )
     parser.add_argument("--plot", help="write a PNG of p50 decision time against pool size")
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: this thread's CPU time (steadier on a shared, busy machine)",
+    )
     args = parser.parse_args(argv)
     sizes = [int(x) for x in str(args.endpoints).split(",")]
     print(
         f"python {platform.python_version()} on {platform.machine()}; "
-        f"{args.n} decisions each, 8k-token prompt"
+        f"{args.n} decisions each, 8k-token prompt, {args.clock} clock"
     )
     modes = [False, True] if args.exhaustive else [False]
     p50: dict[str, list[float]] = {}
@@ -135,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, (config, lora) in CONFIGS.items():
             for exhaustive in modes:
                 row = f"{label}{' exhaustive' if exhaustive else ''}"
-                samples = sorted(run(config, lora, args.n, size, args.seed, exhaustive))
+                samples = sorted(run(config, lora, args.n, size, args.seed, exhaustive, args.clock))
                 q = statistics.quantiles(samples, n=100)
                 p50.setdefault(row, []).append(q[49])
                 print(

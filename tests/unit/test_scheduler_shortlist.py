@@ -23,7 +23,7 @@ from servegate.scheduling.prefix.precise import PrecisePrefixCacheScorer
 from servegate.scheduling.profiles import SingleProfileHandler
 from servegate.scheduling.registry import PluginContext
 from servegate.scheduling.request import LLMRequest, RequestKind
-from servegate.scheduling.scheduler import Scheduler
+from servegate.scheduling.scheduler import Scheduler, spread_sample
 from servegate.scheduling.scorers import QueueScorer
 from servegate.testing.endpoints import random_endpoint_states
 
@@ -186,3 +186,16 @@ def test_replicas_the_kv_events_name_are_on_the_shortlist(seed: int) -> None:
     assert scheduler.stats.shortlisted == 1
     scored = set(short.results["default"].totals)
     assert {s.address for s in holders} <= scored
+
+
+@pytest.mark.parametrize(("n", "k"), [(129, 64), (1000, 64), (1024, 64), (200, 200)])
+def test_the_sample_is_distinct_and_uniform(n: int, k: int) -> None:
+    rng = random.Random(n)
+    hits = [0] * n
+    for _ in range(2000):
+        drawn = [i % n for i in spread_sample(rng, n, k)]
+        assert len(set(drawn)) == k
+        for i in drawn:
+            hits[i] += 1
+    expected = 2000 * k / n
+    assert min(hits) > 0.5 * expected and max(hits) < 1.5 * expected

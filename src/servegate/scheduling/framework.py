@@ -44,6 +44,13 @@ class Filter(Plugin, Protocol):
     ) -> list[EndpointState]: ...
 
 
+IDENTITY_ONLY = "identity_only"
+"""A filter class attribute: `True` when its verdict reads only `Endpoint` identity
+(labels, role), never live state or the request. The scheduler then reuses its output
+while it is handed the same candidate list (`Pool.candidates` shares one list per
+pool state), so a steady large pool is not re-filtered per request."""
+
+
 @runtime_checkable
 class Scorer(Plugin, Protocol):
     def score(

@@ -21,13 +21,16 @@ it (debug headers, logs), so the hot path allocates no per-endpoint dicts.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from math import gcd
 from time import perf_counter_ns
 from typing import Any
 
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.framework import (
+    IDENTITY_ONLY,
     CycleState,
     Decision,
     NoCandidates,
@@ -174,6 +177,17 @@ def result_as_dict(result: ProfileResult) -> dict[str, Any]:
     }
 
 
+def spread_sample(rng: random.Random, n: int, k: int) -> range:
+    """`k` positions that are distinct modulo `n` (for `k <= n`): a random start and a random stride coprime to `n`, so every
+    position is equally likely and no two coincide; two draws from `rng` instead of
+    `random.sample`'s `k` (which cost as much as the scoring it saves)."""
+    stride = rng.randrange(1, n)
+    while gcd(stride, n) != 1:
+        stride += 1
+    start = rng.randrange(n)
+    return range(start, start + k * stride, stride)
+
+
 def _describe(plugin: Plugin) -> dict[str, Any]:
     return {"type": plugin.type, "name": plugin.name}
 
@@ -190,6 +204,7 @@ class Scheduler:
     """Runs `handler`'s profiles over the candidates; `plugins` are all configured plugins."""
 
     __slots__ = (
+        "_filter_memo",
         "_hooks_complete",
         "_hooks_pre",
         "_index",
@@ -228,6 +243,9 @@ class Scheduler:
         }
         self._index: dict[str, int] = {}
         self._index_of: list[EndpointState] | None = None
+        self._filter_memo: dict[int, tuple[list[EndpointState], int, list[EndpointState]]] = {}
+        """id(filter) → (the input list it last saw, its length, its output), for
+        identity-only filters."""
         if isinstance(handler, ProfileSetCheck):
             handler.check_profiles(profiles)
         self.profiles = dict(profiles)
@@ -303,9 +321,21 @@ class Scheduler:
     ) -> ProfileResult | None:
         timings = self._timings
         endpoints = candidates
+        memo = self._filter_memo
+        remembered: list[EndpointState] | None = None
         t0 = perf_counter_ns()
         for flt in profile.filters:
-            endpoints = flt.filter(cycle, request, endpoints)
+            if getattr(flt, IDENTITY_ONLY, False):
+                seen = memo.get(id(flt))
+                if seen is not None and seen[0] is endpoints and seen[1] == len(endpoints):
+                    endpoints = seen[2]
+                else:
+                    out = flt.filter(cycle, request, endpoints)
+                    memo[id(flt)] = (endpoints, len(endpoints), out)
+                    endpoints = out
+                remembered = endpoints
+            else:
+                endpoints = flt.filter(cycle, request, endpoints)
             t1 = perf_counter_ns()
             timing = timings[flt.name]
             timing.calls += 1
@@ -315,8 +345,8 @@ class Scheduler:
                 return None
         if len(endpoints) > self.exhaustive_limit:
             endpoints = self._shortlist(profile, cycle, request, endpoints)
-        elif endpoints is candidates:
-            endpoints = list(candidates)
+        elif endpoints is candidates or endpoints is remembered:
+            endpoints = list(endpoints)  # lists others hold are never handed to plugins
         n = len(endpoints)
         names: list[str] = []
         weights: list[float] = []
@@ -381,7 +411,7 @@ class Scheduler:
                     i = index.get(address)
                     if i is not None:
                         picked.add(i)
-        picked.update(cycle.rng.sample(range(n), self.sample_size))
+        picked.update(i % n for i in spread_sample(cycle.rng, n, self.sample_size))
         self.stats.shortlisted += 1
         return [endpoints[i] for i in sorted(picked)]
 
