@@ -6,6 +6,11 @@ Between decisions the chosen endpoint's in-flight count moves, as the gateway's
 accounting would, so scores do not stay frozen.
 
     .venv/bin/python bench/bench_scheduler.py [--n 20000] [--endpoints 100]
+    .venv/bin/python bench/bench_scheduler.py --endpoints 50,100,250,500,1000 --n 5000 \
+        --exhaustive --plot docs/img/scheduler-scaling.png
+
+`--exhaustive` adds a row per configuration with the shortlist turned off (every
+candidate scored), the way one decision cost before pools were shortlisted.
 """
 
 from __future__ import annotations
@@ -75,9 +80,19 @@ def _request(lora: str | None) -> LLMRequest:
     )
 
 
-def run(config: str, lora: str | None, n: int, endpoints: int, seed: int) -> list[float]:
+def run(
+    config: str,
+    lora: str | None,
+    n: int,
+    endpoints: int,
+    seed: int,
+    exhaustive: bool = False,
+    clock: str = "wall",
+) -> list[float]:
     rng = random.Random(seed)
     scheduler = load_picker_config(config, PluginContext(staleness_s=2.0))
+    if exhaustive:
+        scheduler.exhaustive_limit = 1 << 30
     states = random_endpoint_states(
         endpoints, rng, now=100.0, roles=[Role.DECODE, Role.BOTH, Role.DECODE, Role.BOTH]
     )
@@ -86,7 +101,7 @@ def run(config: str, lora: str | None, n: int, endpoints: int, seed: int) -> lis
         s.metrics.lora = LoraInfo(max_lora=2, running=running)
     request = _request(lora)
     cycle_rng = random.Random(seed + 1)
-    perf = time.perf_counter_ns
+    perf = time.perf_counter_ns if clock == "wall" else time.thread_time_ns
     samples: list[float] = []
     for i in range(n + n // 10):
         cycle = CycleState(now=100.0 + i * 1e-3, rng=cycle_rng)
@@ -106,21 +121,63 @@ def run(config: str, lora: str | None, n: int, endpoints: int, seed: int) -> lis
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=20_000, help="decisions per configuration")
-    parser.add_argument("--endpoints", type=int, default=100)
+    parser.add_argument(
+        "--endpoints", default="100", help="pool size, or a comma-separated list of sizes"
+    )
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--exhaustive", action="store_true", help="also time scoring every candidate"
+    )
+    parser.add_argument("--plot", help="write a PNG of p50 decision time against pool size")
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: this thread's CPU time (steadier on a shared, busy machine)",
+    )
     args = parser.parse_args(argv)
+    sizes = [int(x) for x in str(args.endpoints).split(",")]
     print(
         f"python {platform.python_version()} on {platform.machine()}; "
-        f"{args.endpoints} endpoints, {args.n} decisions each, 8k-token prompt"
+        f"{args.n} decisions each, 8k-token prompt, {args.clock} clock"
     )
-    for label, (config, lora) in CONFIGS.items():
-        samples = sorted(run(config, lora, args.n, args.endpoints, args.seed))
-        q = statistics.quantiles(samples, n=100)
-        print(
-            f"{label:46s} p50 {q[49]:7.1f} µs   p90 {q[89]:7.1f} µs   p99 {q[98]:7.1f} µs"
-            f"   mean {statistics.fmean(samples):7.1f} µs"
-        )
+    modes = [False, True] if args.exhaustive else [False]
+    p50: dict[str, list[float]] = {}
+    for size in sizes:
+        for label, (config, lora) in CONFIGS.items():
+            for exhaustive in modes:
+                row = f"{label}{' exhaustive' if exhaustive else ''}"
+                samples = sorted(run(config, lora, args.n, size, args.seed, exhaustive, args.clock))
+                q = statistics.quantiles(samples, n=100)
+                p50.setdefault(row, []).append(q[49])
+                print(
+                    f"{size:5d} ep  {row:57s} p50 {q[49]:7.1f} µs   p90 {q[89]:7.1f} µs"
+                    f"   p99 {q[98]:7.1f} µs   mean {statistics.fmean(samples):7.1f} µs"
+                )
+    if args.plot:
+        _plot(args.plot, sizes, p50)
     return 0
+
+
+def _plot(path: str, sizes: list[int], p50: dict[str, list[float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for row, values in p50.items():
+        ax.plot(
+            sizes, values, marker="o", linestyle="--" if "exhaustive" in row else "-", label=row
+        )
+    ax.axhline(100, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xlabel("endpoints in the pool")
+    ax.set_ylabel("p50 decision time (µs)")
+    ax.set_title("One scheduling decision against pool size (bench/bench_scheduler.py)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,10 @@ StateWatcher = Callable[[EndpointState], None]
 InFlightWatcher = Callable[[EndpointState], None]
 
 
+CANDIDATE_LISTS = 256
+"""Candidate lists a pool remembers (one per base model and adapter asked for)."""
+
+
 class Pool:
     def __init__(self, name: str = "default", staleness: float = 2.0) -> None:
         self.name = name
@@ -41,6 +45,10 @@ class Pool:
         self._listeners: list[Listener] = []
         self._watchers: list[StateWatcher] = []
         self._in_flight_watchers: list[InFlightWatcher] = []
+        self._version = 0
+        self._candidates: dict[
+            tuple[str | None, str | None], tuple[int, float, list[EndpointState]]
+        ] = {}
 
     # -- membership (discovery) -------------------------------------------------
     def subscribe(self, listener: Listener) -> None:
@@ -71,6 +79,7 @@ class Pool:
             self.remove(endpoint.address)
         state = EndpointState(endpoint=endpoint)
         self._states[endpoint.address] = state
+        self._version += 1
         if endpoint.model:
             self._declared_models.setdefault(endpoint.model, ModelEntry(endpoint.model))
         self._rebuild_models()
@@ -82,6 +91,7 @@ class Pool:
         state = self._states.pop(address, None)
         if state is None:
             return None
+        self._version += 1
         self._discovered.pop(address, None)
         self._rebuild_models()
         for listener in self._listeners:
@@ -111,7 +121,9 @@ class Pool:
     def set_health(self, address: str, healthy: bool) -> None:
         state = self._states.get(address)
         if state is not None:
-            state.healthy = healthy
+            if state.healthy != healthy:
+                state.healthy = healthy
+                self._version += 1
             self._changed(state)
 
     def set_served_models(self, address: str, models: Iterable[ModelEntry]) -> None:
@@ -119,7 +131,10 @@ class Pool:
         if state is None:
             return
         entries = {m.id: m for m in models}
-        state.served_models = frozenset(entries)
+        served = frozenset(entries)
+        if served != state.served_models:
+            state.served_models = served
+            self._version += 1
         self._discovered[address] = entries
         self._rebuild_models()
 
@@ -127,7 +142,9 @@ class Pool:
         state = self._states.get(address)
         if state is None:
             return False
-        state.draining = draining
+        if state.draining != draining:
+            state.draining = draining
+            self._version += 1
         self._changed(state)
         return True
 
@@ -135,6 +152,7 @@ class Pool:
         state = self._states.get(address)
         if state is not None:
             state.ejected_until = until
+            self._version += 1
             self._changed(state)
 
     # -- in-flight accounting (gateway) -----------------------------------------
@@ -189,10 +207,22 @@ class Pool:
         For a LoRA `adapter`, endpoints that list it in their /v1/models come first: if
         any do, only they are candidates (a replica without the adapter would answer
         404); if none do, every base-model endpoint is (adapters loaded on demand).
+
+        The list is shared until membership, health, drain, ejection or served models
+        change (or an ejection runs out), so a steady pool costs no pass per request:
+        callers must not modify it.
         """
+        key = (base_model, adapter)
+        hit = self._candidates.get(key)
+        if hit is not None and hit[0] == self._version and now < hit[1]:
+            return hit[2]
         out = []
+        expires = float("inf")
         for state in self._states.values():
-            if not (state.healthy and not state.draining and state.ejected_until <= now):
+            if state.ejected_until > now:
+                expires = min(expires, state.ejected_until)
+                continue
+            if not state.healthy or state.draining:
                 continue
             if base_model is not None and not self._serves(state, base_model):
                 continue
@@ -200,7 +230,10 @@ class Pool:
         if adapter is not None:
             holding = [s for s in out if adapter in s.served_models]
             if holding:
-                return holding
+                out = holding
+        if len(self._candidates) >= CANDIDATE_LISTS:
+            self._candidates.clear()  # adapter names come from clients: stay bounded
+        self._candidates[key] = (self._version, expires, out)
         return out
 
     def ready_count(self, now: float | None = None) -> int:

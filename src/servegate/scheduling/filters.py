@@ -76,6 +76,7 @@ class LabelSelectorFilter:
 
     __slots__ = ("_checks", "_match_labels", "_memo", "name", "selector")
     type: ClassVar[str] = "label-selector-filter"
+    identity_only: ClassVar[bool] = True
 
     def __init__(self, name: str | None = None, selector: LabelSelectorParameters | None = None):
         self.name = name or self.type
@@ -128,6 +129,7 @@ def role_of(endpoint: Endpoint) -> str | None:
 class _RoleFilter(ParameterlessPlugin):
     __slots__ = ()
     keeps: ClassVar[frozenset[str | None]]
+    identity_only: ClassVar[bool] = True
 
     def filter(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]

@@ -14,7 +14,7 @@ calls those hooks after the decision, outside the pure scheduling call.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -44,6 +44,13 @@ class Filter(Plugin, Protocol):
     ) -> list[EndpointState]: ...
 
 
+IDENTITY_ONLY = "identity_only"
+"""A filter class attribute: `True` when its verdict reads only `Endpoint` identity
+(labels, role), never live state or the request. The scheduler then reuses its output
+while it is handed the same candidate list (`Pool.candidates` shares one list per
+pool state), so a steady large pool is not re-filtered per request."""
+
+
 @runtime_checkable
 class Scorer(Plugin, Protocol):
     def score(
@@ -51,6 +58,20 @@ class Scorer(Plugin, Protocol):
     ) -> Sequence[float]:
         """One score per endpoint, in order; the framework clamps to [0, 1]."""
         ...
+
+
+@runtime_checkable
+class Shortlister(Protocol):
+    """A scorer that names, without a pass over the pool, the endpoints it would favour.
+
+    Large pools are scored on a bounded shortlist (`scheduler.py`); a prefix scorer
+    knows from its index which replicas hold the prompt's longest prefixes, so they
+    are always on the list. `None` means "I cannot say cheaply: score everyone".
+    """
+
+    def shortlist(
+        self, cycle: CycleState, request: LLMRequest, limit: int
+    ) -> Collection[str] | None: ...
 
 
 @runtime_checkable

@@ -6,6 +6,14 @@ are summed and the picker ranks the endpoints. `schedule` is pure: no I/O, no
 clock reads for decisions (time is `cycle.now`, randomness `cycle.rng`).
 `time.perf_counter_ns` is read only to account time per plugin in `stats`.
 
+A pool larger than `exhaustive_limit` is scored on a shortlist, so one decision
+costs the same at 1,000 endpoints as at 100: the endpoints each `Shortlister`
+scorer names (the replicas holding the prompt's longest cached prefixes) plus a
+uniform sample of `sample_size` others, drawn with `cycle.rng`. Prefix decisions
+stay those of exhaustive scoring; a load-only decision picks the best of a random
+sample ("power of d choices" with d = `sample_size`), which balances nearly as well
+as the global best (`tests/unit/test_scheduler_shortlist.py` compares the two).
+
 Per-endpoint breakdowns are kept column-wise; `ProfileResult.scores` and
 `.totals` are lazy read-only views that build a row only when someone reads
 it (debug headers, logs), so the hot path allocates no per-endpoint dicts.
@@ -13,13 +21,16 @@ it (debug headers, logs), so the hot path allocates no per-endpoint dicts.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from math import gcd
 from time import perf_counter_ns
 from typing import Any
 
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.framework import (
+    IDENTITY_ONLY,
     CycleState,
     Decision,
     NoCandidates,
@@ -29,6 +40,7 @@ from servegate.scheduling.framework import (
     ProfileResult,
     ResponseComplete,
     SchedulerProfile,
+    Shortlister,
 )
 from servegate.scheduling.profiles import ProfileSetCheck
 from servegate.scheduling.request import LLMRequest
@@ -52,6 +64,8 @@ class SchedulerStats:
     """Calls to `schedule`."""
     no_candidates: int = 0
     """Cycles that ended with `NoCandidates`."""
+    shortlisted: int = 0
+    """Profile runs scored on a shortlist instead of every candidate (large pools)."""
     plugins: dict[str, PluginTiming] = field(default_factory=dict)
     """Per plugin name: time in filter/score/pick/profile-handler calls."""
     hooks: dict[str, PluginTiming] = field(default_factory=dict)
@@ -163,20 +177,46 @@ def result_as_dict(result: ProfileResult) -> dict[str, Any]:
     }
 
 
+def spread_sample(rng: random.Random, n: int, k: int) -> range:
+    """`k` positions that are distinct modulo `n` (for `k <= n`): a random start and a random stride coprime to `n`, so every
+    position is equally likely and no two coincide; two draws from `rng` instead of
+    `random.sample`'s `k` (which cost as much as the scoring it saves)."""
+    stride = rng.randrange(1, n)
+    while gcd(stride, n) != 1:
+        stride += 1
+    start = rng.randrange(n)
+    return range(start, start + k * stride, stride)
+
+
 def _describe(plugin: Plugin) -> dict[str, Any]:
     return {"type": plugin.type, "name": plugin.name}
+
+
+EXHAUSTIVE_LIMIT = 128
+"""Pools up to this size (after filters) are scored exhaustively."""
+SAMPLE_SIZE = 64
+"""Endpoints sampled uniformly into a large pool's shortlist."""
+HINT_LIMIT = 32
+"""Endpoints each `Shortlister` may add to a shortlist."""
 
 
 class Scheduler:
     """Runs `handler`'s profiles over the candidates; `plugins` are all configured plugins."""
 
     __slots__ = (
+        "_filter_memo",
         "_hooks_complete",
         "_hooks_pre",
+        "_index",
+        "_index_of",
+        "_shortlisters",
         "_timings",
+        "exhaustive_limit",
         "handler",
+        "hint_limit",
         "plugins",
         "profiles",
+        "sample_size",
         "stats",
     )
 
@@ -185,9 +225,27 @@ class Scheduler:
         profiles: Mapping[str, SchedulerProfile],
         handler: ProfileHandler,
         plugins: Mapping[str, Plugin],
+        *,
+        exhaustive_limit: int = EXHAUSTIVE_LIMIT,
+        sample_size: int = SAMPLE_SIZE,
+        hint_limit: int = HINT_LIMIT,
     ) -> None:
         if not profiles:
             raise ValueError("a scheduler needs at least one scheduling profile")
+        if sample_size < 1 or exhaustive_limit < sample_size:
+            raise ValueError("need 1 <= sample_size <= exhaustive_limit")
+        self.exhaustive_limit = exhaustive_limit
+        self.sample_size = sample_size
+        self.hint_limit = hint_limit
+        self._shortlisters = {
+            name: [ws.scorer for ws in p.scorers if isinstance(ws.scorer, Shortlister)]
+            for name, p in profiles.items()
+        }
+        self._index: dict[str, int] = {}
+        self._index_of: list[EndpointState] | None = None
+        self._filter_memo: dict[int, tuple[list[EndpointState], int, list[EndpointState]]] = {}
+        """id(filter) → (the input list it last saw, its length, its output), for
+        identity-only filters."""
         if isinstance(handler, ProfileSetCheck):
             handler.check_profiles(profiles)
         self.profiles = dict(profiles)
@@ -263,9 +321,21 @@ class Scheduler:
     ) -> ProfileResult | None:
         timings = self._timings
         endpoints = candidates
+        memo = self._filter_memo
+        remembered: list[EndpointState] | None = None
         t0 = perf_counter_ns()
         for flt in profile.filters:
-            endpoints = flt.filter(cycle, request, endpoints)
+            if getattr(flt, IDENTITY_ONLY, False):
+                seen = memo.get(id(flt))
+                if seen is not None and seen[0] is endpoints and seen[1] == len(endpoints):
+                    endpoints = seen[2]
+                else:
+                    out = flt.filter(cycle, request, endpoints)
+                    memo[id(flt)] = (endpoints, len(endpoints), out)
+                    endpoints = out
+                remembered = endpoints
+            else:
+                endpoints = flt.filter(cycle, request, endpoints)
             t1 = perf_counter_ns()
             timing = timings[flt.name]
             timing.calls += 1
@@ -273,8 +343,10 @@ class Scheduler:
             t0 = t1
             if not endpoints:
                 return None
-        if endpoints is candidates:
-            endpoints = list(candidates)
+        if len(endpoints) > self.exhaustive_limit:
+            endpoints = self._shortlist(profile, cycle, request, endpoints)
+        elif endpoints is candidates or endpoints is remembered:
+            endpoints = list(endpoints)  # lists others hold are never handed to plugins
         n = len(endpoints)
         names: list[str] = []
         weights: list[float] = []
@@ -317,6 +389,44 @@ class Scheduler:
             scores=ScoreTable(endpoints, names, weights, raws),
             totals=TotalsView(endpoints, totals),
         )
+
+    def _shortlist(
+        self,
+        profile: SchedulerProfile,
+        cycle: CycleState,
+        request: LLMRequest,
+        endpoints: list[EndpointState],
+    ) -> list[EndpointState]:
+        """The hinted endpoints plus a uniform sample, in pool order; or all if a hint can't."""
+        n = len(endpoints)
+        picked: set[int] = set()
+        shortlisters = self._shortlisters[profile.name]
+        if shortlisters:
+            index = self._address_index(endpoints)
+            for scorer in shortlisters:
+                named = scorer.shortlist(cycle, request, self.hint_limit)
+                if named is None:
+                    return list(endpoints)
+                for address in named:
+                    i = index.get(address)
+                    if i is not None:
+                        picked.add(i)
+        picked.update(i % n for i in spread_sample(cycle.rng, n, self.sample_size))
+        self.stats.shortlisted += 1
+        return [endpoints[i] for i in sorted(picked)]
+
+    def _address_index(self, endpoints: list[EndpointState]) -> dict[str, int]:
+        """address → position, remembered for the last list seen (the pool hands out one
+        list per membership change, so a steady pool pays for this once)."""
+        index = self._index
+        if (
+            endpoints is not self._index_of
+            or len(index) != len(endpoints)
+            or index.get(endpoints[-1].endpoint.address) != len(endpoints) - 1
+        ):
+            index = self._index = {s.endpoint.address: i for i, s in enumerate(endpoints)}
+            self._index_of = endpoints
+        return index
 
     # -- hooks the gateway calls around the request -----------------------------------
     def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None:

@@ -115,6 +115,35 @@ class ApproxPrefixIndex:
                 if not holders:
                     del self._where[key]
 
+    def deepest_holders(self, keys: Sequence[int], limit: int) -> list[str]:
+        """Up to `limit` endpoints holding the longest leading runs of `keys`, deepest first.
+
+        A chain is stored whole, so the deepest held block is found by bisection;
+        then levels are walked back towards the first block at doubling strides
+        until `limit` endpoints are named. No pass over the pool.
+        """
+        where = self._where
+        if not keys or not where.get(keys[0]):
+            return []
+        lo, hi = 1, len(keys)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if where.get(keys[mid]):
+                lo = mid + 1
+            else:
+                hi = mid
+        out: dict[str, None] = {}
+        i, stride = lo - 1, 1
+        while i >= 0:
+            for address in where.get(keys[i], ()):
+                out[address] = None
+                if len(out) >= limit:
+                    return list(out)
+            if i == 0:
+                break
+            i, stride = max(0, i - stride), stride * 2
+        return list(out)
+
     def match_lengths(self, keys: Sequence[int], addresses: Sequence[str]) -> dict[str, int]:
         """Leading blocks of `keys` each address holds."""
         matched = dict.fromkeys(addresses, 0)
@@ -181,6 +210,15 @@ class PrefixCacheScorer:
             ranks = [xxhash.xxh3_64_intdigest(first + e.address.encode()) for e in endpoints]
             scores[ranks.index(max(ranks))] = 1.0
         return scores
+
+    def shortlist(self, cycle: CycleState, request: LLMRequest, limit: int) -> list[str] | None:
+        """The replicas holding this prompt's longest prefixes; `None` under hashed cold
+        placement, whose rendezvous choice needs every candidate."""
+        keys = self.block_keys(request)
+        holders = self.index.deepest_holders(keys, limit)
+        if not holders and self.params.cold_placement == "hash":
+            return None
+        return holders
 
     def _capacity(self, state: EndpointState) -> int | None:
         if not self.params.auto_tune:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
@@ -211,6 +211,7 @@ class PreciseIndex:
         self._holders: dict[int, dict[str, list[float]]] = {}
         self._spec: dict[int, dict[str, float]] = {}
         self._spec_log: deque[tuple[float, str, list[int]]] = deque()
+        self._block_sizes: dict[int, int] = {}
 
     # -- sizes -------------------------------------------------------------------------
     def blocks(self, address: str) -> int:
@@ -242,7 +243,10 @@ class PreciseIndex:
         ep = self._endpoints.get(address)
         if ep is None:
             ep = self._endpoints[address] = EndpointBlocks(address)
-        ep.block_size = event.block_size
+        if ep.block_size != event.block_size:
+            self._count_block_size(ep.block_size, -1)
+            self._count_block_size(event.block_size, 1)
+            ep.block_size = event.block_size
         parent = event.parent_block_hash
         if parent is None:
             lora = event.lora_name
@@ -299,6 +303,8 @@ class PreciseIndex:
     def clear(self, address: str) -> None:
         """Forget every block of `address` (`AllBlocksCleared`, restart, removal)."""
         ep = self._endpoints.pop(address, None)
+        if ep is not None:
+            self._count_block_size(ep.block_size, -1)
         self.stats.clears += 1
         for key in [k for k, holders in self._spec.items() if address in holders]:
             self._unspeculate(key, address)
@@ -422,6 +428,50 @@ class PreciseIndex:
             alive.intersection_update(still)
         return scores
 
+    def deepest_holders(self, keys: Sequence[int], limit: int) -> list[str]:
+        """Up to `limit` replicas (stored or speculated) holding the longest leading runs of
+        `keys`, deepest first: bisection for the deepest held block, then levels back
+        towards the first at doubling strides. No pass over the pool."""
+        holders_of, spec_of = self._holders, self._spec
+
+        def held(key: int) -> bool:
+            return bool(holders_of.get(key)) or bool(spec_of.get(key))
+
+        if not keys or not held(keys[0]):
+            return []
+        lo, hi = 1, len(keys)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if held(keys[mid]):
+                lo = mid + 1
+            else:
+                hi = mid
+        out: dict[str, None] = {}
+        i, stride = lo - 1, 1
+        while i >= 0:
+            for source in (holders_of.get(keys[i]), spec_of.get(keys[i])):
+                for address in source or ():
+                    out[address] = None
+                    if len(out) >= limit:
+                        return list(out)
+            if i == 0:
+                break
+            i, stride = max(0, i - stride), stride * 2
+        return list(out)
+
+    def block_sizes(self) -> Collection[int]:
+        """Block sizes the replicas in the index reported."""
+        return self._block_sizes.keys()
+
+    def _count_block_size(self, size: int | None, delta: int) -> None:
+        if size is None:
+            return
+        count = self._block_sizes.get(size, 0) + delta
+        if count > 0:
+            self._block_sizes[size] = count
+        else:
+            self._block_sizes.pop(size, None)
+
     def matched_blocks(
         self, address: str, token_ids: Sequence[int], lora: str | None = None
     ) -> int:
@@ -513,6 +563,17 @@ class PrecisePrefixCacheScorer:
             for address, weight in matched.items():
                 scores[address] = weight / total
         return [scores[state.address] for state in endpoints]
+
+    def shortlist(self, cycle: CycleState, request: LLMRequest, limit: int) -> list[str]:
+        """The replicas holding this prompt's longest prefixes, at every block size in use."""
+        if request.cache.get("token_ids") is None:
+            return []
+        out: dict[str, None] = {}
+        for block_size in self.index.block_sizes() or (self.default_block_size,):
+            keys = self.block_keys(request, block_size)
+            if keys:
+                out.update(dict.fromkeys(self.index.deepest_holders(keys, limit)))
+        return list(out)
 
     def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None:
         if not self.params.speculative_indexing:

@@ -1,0 +1,201 @@
+"""Large pools are scored on a shortlist: prefix holders plus a uniform sample.
+
+Compared against exhaustive scoring of the same pool, state and request: the
+cache decision (how much of the prompt the chosen replica holds) must be the
+same, and a load-only decision must land near the top of the exhaustive ranking.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Collection
+
+import pytest
+
+from servegate.datalayer.kvevents.events import BlockStored
+from servegate.pool.endpoint import EndpointState
+from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
+from servegate.scheduling.framework import CycleState, Decision, SchedulerProfile, WeightedScorer
+from servegate.scheduling.pickers import MaxScorePicker
+from servegate.scheduling.prefix.approx import PrefixCacheScorer
+from servegate.scheduling.prefix.precise import PrecisePrefixCacheScorer
+from servegate.scheduling.profiles import SingleProfileHandler
+from servegate.scheduling.registry import PluginContext
+from servegate.scheduling.request import LLMRequest, RequestKind
+from servegate.scheduling.scheduler import Scheduler, spread_sample
+from servegate.scheduling.scorers import QueueScorer
+from servegate.testing.endpoints import random_endpoint_states
+
+POOL = 1000
+
+
+def _request(i: int) -> LLMRequest:
+    prompt = f"system prompt {i % 7} " * 200 + f"question {i}"
+    return LLMRequest(
+        request_id=f"r{i}",
+        kind=RequestKind.COMPLETION,
+        model="base",
+        target_model="base",
+        base_model="base",
+        prompt=prompt,
+        prompt_tokens=len(prompt) // 4,
+        max_tokens=16,
+    )
+
+
+def _default(seed: int) -> tuple[Scheduler, list[EndpointState], PrefixCacheScorer]:
+    scheduler = load_picker_config(DEFAULT_PICKER_CONFIG, PluginContext(staleness_s=2.0))
+    states = random_endpoint_states(POOL, random.Random(seed))
+    scorer = scheduler.plugins["prefix-cache-scorer"]
+    assert isinstance(scorer, PrefixCacheScorer)
+    return scheduler, states, scorer
+
+
+def _decide(
+    scheduler: Scheduler, request: LLMRequest, states: list[EndpointState], exhaustive: bool
+) -> Decision:
+    limit = scheduler.exhaustive_limit
+    if exhaustive:
+        scheduler.exhaustive_limit = 1 << 30
+    try:
+        return scheduler.schedule(request, states, CycleState(now=100.0, rng=random.Random(1)))
+    finally:
+        scheduler.exhaustive_limit = limit
+
+
+def _held(scorer: PrefixCacheScorer, request: LLMRequest, state: EndpointState) -> int:
+    keys = scorer.block_keys(request)
+    return scorer.index.match_lengths(keys, [state.address])[state.address]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_cache_decision_matches_exhaustive_scoring(seed: int) -> None:
+    scheduler, states, scorer = _default(seed)
+    rng = random.Random(seed)
+    request = _request(seed)
+    keys = scorer.block_keys(request)
+    # a few replicas hold the whole prompt, more hold a part of it, most nothing
+    for state in rng.sample(states, 3):
+        scorer.index.insert(state.address, keys)
+    for state in rng.sample(states, 20):
+        scorer.index.insert(state.address, keys[: rng.randrange(1, len(keys))])
+    short = _decide(scheduler, request, states, exhaustive=False)
+    full = _decide(scheduler, request, states, exhaustive=True)
+    assert scheduler.stats.shortlisted == 1
+    assert _held(scorer, request, short.endpoint) == _held(scorer, request, full.endpoint)
+    assert _held(scorer, request, short.endpoint) > 0
+
+
+def test_a_load_only_decision_is_near_the_exhaustive_best() -> None:
+    """No replica holds anything: the best of 64 sampled replicas against all 1,000."""
+    scheduler, states, _ = _default(99)
+    percentiles = []
+    for i in range(100):
+        request = _request(10_000 + i)
+        short = _decide(scheduler, request, states, exhaustive=False)
+        full = _decide(scheduler, request, states, exhaustive=True)
+        totals = full.results["default"].totals
+        ranked = sorted(totals.values(), reverse=True)
+        percentiles.append(ranked.index(totals[short.endpoint.address]) / POOL)
+    # expected rank of the best of 64 uniform draws among 1,000: ~1.5 %
+    assert statistics.median(percentiles) <= 0.03
+    assert max(percentiles) <= 0.10
+
+
+def test_small_pools_are_scored_exhaustively() -> None:
+    scheduler = load_picker_config(DEFAULT_PICKER_CONFIG, PluginContext(staleness_s=2.0))
+    states = random_endpoint_states(scheduler.exhaustive_limit, random.Random(3))
+    decision = scheduler.schedule(_request(1), states, CycleState(100.0, random.Random(1)))
+    assert scheduler.stats.shortlisted == 0
+    assert len(decision.results["default"].totals) == len(states)
+
+
+def test_a_large_pool_scores_a_bounded_shortlist() -> None:
+    scheduler, states, _ = _default(5)
+    decision = _decide(scheduler, _request(3), states, exhaustive=False)
+    scored = len(decision.results["default"].totals)
+    assert scheduler.sample_size <= scored <= scheduler.sample_size + scheduler.hint_limit * 2
+
+
+class _CannotSay:
+    type = "cannot-say-scorer"
+    name = "cannot-say-scorer"
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> list[float]:
+        return [0.0] * len(endpoints)
+
+    def shortlist(
+        self, cycle: CycleState, request: LLMRequest, limit: int
+    ) -> Collection[str] | None:
+        return None
+
+
+def test_a_shortlister_that_cannot_say_gets_every_candidate() -> None:
+    profile = SchedulerProfile(
+        "default",
+        filters=[],
+        scorers=[WeightedScorer(_CannotSay()), WeightedScorer(QueueScorer())],
+        picker=MaxScorePicker(),
+    )
+    scheduler = Scheduler({"default": profile}, SingleProfileHandler(), {})
+    states = random_endpoint_states(POOL, random.Random(4))
+    decision = scheduler.schedule(_request(1), states, CycleState(100.0, random.Random(1)))
+    assert len(decision.results["default"].totals) == POOL
+    assert scheduler.stats.shortlisted == 0
+
+
+def test_hashed_cold_placement_scores_everyone_until_a_prefix_is_held() -> None:
+    config = DEFAULT_PICKER_CONFIG.replace(
+        "- type: prefix-cache-scorer\n",
+        "- type: prefix-cache-scorer\n  parameters: {coldPlacement: hash}\n",
+    )
+    scheduler = load_picker_config(config, PluginContext(staleness_s=2.0))
+    states = random_endpoint_states(POOL, random.Random(6))
+    request = _request(2)
+    first = scheduler.schedule(request, states, CycleState(100.0, random.Random(1)))
+    assert scheduler.stats.shortlisted == 0
+    again = scheduler.schedule(request, states, CycleState(100.0, random.Random(2)))
+    assert again.endpoint is first.endpoint  # the rendezvous choice, every time
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_replicas_the_kv_events_name_are_on_the_shortlist(seed: int) -> None:
+    """The precise index (fed by BlockStored events) names its holders, at their block size."""
+    scheduler, states, _ = _default(seed)
+    precise = scheduler.plugins["precise-prefix-cache-scorer"]
+    assert isinstance(precise, PrecisePrefixCacheScorer)
+    rng = random.Random(seed)
+    request = _request(seed)
+    tokens = list(range(1000, 1000 + 64 * 20))
+    request.cache["token_ids"] = tokens
+    holders = rng.sample(states, 4)
+    for state in holders:
+        precise.index.store(
+            state.address,
+            BlockStored(
+                block_hashes=list(range(1, 21)),
+                parent_block_hash=None,
+                token_ids=tokens,
+                block_size=64,
+            ),
+        )
+    short = _decide(scheduler, request, states, exhaustive=False)
+    assert scheduler.stats.shortlisted == 1
+    scored = set(short.results["default"].totals)
+    assert {s.address for s in holders} <= scored
+
+
+@pytest.mark.parametrize(("n", "k"), [(129, 64), (1000, 64), (1024, 64), (200, 200)])
+def test_the_sample_is_distinct_and_uniform(n: int, k: int) -> None:
+    rng = random.Random(n)
+    hits = [0] * n
+    for _ in range(2000):
+        drawn = [i % n for i in spread_sample(rng, n, k)]
+        assert len(set(drawn)) == k
+        for i in drawn:
+            hits[i] += 1
+    expected = 2000 * k / n
+    assert min(hits) > 0.5 * expected and max(hits) < 1.5 * expected
