@@ -10,8 +10,8 @@ Keys are Z85 text (40 characters), one per file, or ZeroMQ certificate files
 (`zmq.auth.create_certificates`; `public-key = "..."`, `secret-key = "..."`).
 `authorized_keys` entries are files or directories of such files; a directory is
 what a Kubernetes Secret volume mount gives (one file per key; the mount's hidden
-`..data` entries are skipped). Create keys with `servegate curve-keys DIR`
-(`python -m servegate.curve DIR`).
+`..data` entries are skipped). Create a key pair with
+`python -m servegate.curve DIR` (writes `bus.key` and `bus.key_secret`).
 
 `CurveKeys` is what a socket needs; `ZapRegistry` runs one ZAP handler thread
 per ZeroMQ context, with one domain per server socket, and stops it with the
