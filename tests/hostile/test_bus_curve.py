@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,7 @@ from servegate.scaleout.codec import INFLIGHT, InFlight, Message, decode, encode
 from servegate.scaleout.replica import ReplicaLink
 from servegate.scaleout.settings import ScaleOutSettings
 
-TRIES = 40
+TRIES = 100
 STEP_S = 0.05
 
 
@@ -60,16 +60,21 @@ async def drain(sock: zmq.asyncio.Socket) -> list[bytes]:
 
 
 async def pump(
-    send: zmq.asyncio.Socket, data: bytes, listeners: list[zmq.asyncio.Socket], until: int
+    send: zmq.asyncio.Socket,
+    data: bytes,
+    listeners: list[zmq.asyncio.Socket],
+    until: int,
+    also: Callable[[], bool] = lambda: True,
 ) -> list[list[bytes]]:
-    """Send `data` every step until listener `until` has it (or the tries run out)."""
+    """Send `data` every step until listener `until` has it and `also()` holds (or the tries
+    run out: a bounded wait, not a timing assertion)."""
     got: list[list[bytes]] = [[] for _ in listeners]
     for _ in range(TRIES):
         await send.send(data)
         await asyncio.sleep(STEP_S)
         for i, sock in enumerate(listeners):
             got[i].extend(await drain(sock))
-        if got[until]:
+        if got[until] and also():
             break
     return got
 
@@ -102,7 +107,9 @@ async def test_a_foreign_subscriber_reads_nothing(
     foreign_keys.client(keyed)
     keyed.connect(bind)
     try:
-        got = await pump(a.pub, message(), [b.sub, plain, keyed], until=0)
+        got = await pump(
+            a.pub, message(), [b.sub, plain, keyed], until=0, also=lambda: a.refused >= 1
+        )
         assert got[0], "the authorized peer must receive"
         assert decode(got[0][0]).kind == INFLIGHT
         assert got[1] == [] and got[2] == []

@@ -261,6 +261,12 @@ class KVEventSubscriber:
         """Set once the socket is connected (or bound) and subscribed."""
         self.bound_endpoint: str | None = None
         """The address a bound socket got (its port, when the endpoint said `*`)."""
+        self.zap_domain: str | None = None
+
+    @property
+    def refused(self) -> int:
+        """Publishers a CURVE bind socket turned away (keys not authorized)."""
+        return ZapRegistry.refused(self.zap_domain) if self.zap_domain is not None else 0
 
     async def run(self) -> None:
         """Receive until cancelled; a bad endpoint string ends the task with a log line."""
@@ -274,7 +280,7 @@ class KVEventSubscriber:
                 sock.setsockopt(zmq.SUBSCRIBE, self.topic_filter.encode())
                 if self.bind:
                     if self.curve is not None:
-                        domain = ZapRegistry.server(sock, self.curve)
+                        domain = self.zap_domain = ZapRegistry.server(sock, self.curve)
                     sock.bind(self.endpoint)
                 else:
                     if self.curve is not None:
@@ -309,6 +315,7 @@ class KVEventSubscriber:
             sock.close(linger=0)
             if domain is not None:
                 ZapRegistry.release(domain)
+                self.zap_domain = None
 
     async def replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """Batches from `start` on, from the replay socket; None when it fails or times out."""
