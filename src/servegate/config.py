@@ -187,7 +187,8 @@ class KVEventsPoolSettings(_Strict):
     replay_timeout_s: PositiveFloat = 2.0
     curve: CurveSettings | None = None
     """ZeroMQ CURVE keys: with `bind`, only publishers with an authorized key are heard; with
-    per-replica sockets, each publisher must be a CURVE server (a relay); docs/cache-routing.md."""
+    `server_key_file`, per-replica sockets connect as CURVE clients to publishers holding that
+    key (relays); docs/cache-routing.md."""
     allow_unauthenticated_bind: bool = False
     """`bind` without `curve`: believe a message only from the TCP address of the replica its
     topic names, with a warning at start."""

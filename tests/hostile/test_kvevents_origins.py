@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from servegate.config import KVEventsPoolSettings
-from servegate.curve import CurveKeys, CurveSettings, create_keys
+from servegate.curve import CurveKeys, CurveSettings, ZapRegistry, create_keys
 from servegate.datalayer.kvevents import (
     AllBlocksCleared,
     BlockStored,
@@ -288,3 +288,52 @@ async def test_bind_without_curve_or_an_explicit_allow_stays_off(
     manager_factory.append(manager)
     await manager.start()
     assert manager.subscribers == {}  # llm-d's zmqEndpoint path: refused with an error log
+
+
+async def test_per_replica_sockets_speak_curve_only_to_a_named_relay_key(
+    ctx: zmq.asyncio.Context, manager_factory: list[KVEventsManager], tmp_path: Path
+) -> None:
+    """`curve.server_key_file` set: the gateway is a CURVE client of the relay in front of
+    each engine; without it per-replica sockets stay plain, as vLLM publishes."""
+    gateway_public, gateway_secret = create_keys(str(tmp_path / "gateway"))
+    relay_public, relay_secret = create_keys(str(tmp_path / "relay"))
+    relay_keys = CurveKeys.load(
+        CurveSettings(secret_key_file=str(relay_secret), authorized_keys=(str(gateway_public),))
+    )
+    relay_port, plain_port = free_port(), free_port()
+    relay = ctx.socket(zmq.PUB)
+    domain = ZapRegistry.server(relay, relay_keys)
+    relay.bind(f"tcp://127.0.0.1:{relay_port}")
+    plain = ctx.socket(zmq.PUB)
+    plain.bind(f"tcp://127.0.0.1:{plain_port}")
+
+    def pool_of(port: int) -> Pool:
+        pool = Pool()
+        address = "127.0.0.1:8000"
+        pool.add(Endpoint(address, f"http://{address}", kv_events=f"tcp://127.0.0.1:{port}"))
+        return pool
+
+    via_relay, via_plain = Index(), Index()
+    with_server = CurveSettings(
+        secret_key_file=str(gateway_secret), server_key_file=str(relay_public)
+    )
+    bind_only = CurveSettings(secret_key_file=str(gateway_secret))
+    await started(
+        manager_factory, pool_of(relay_port), via_relay, KVEventsSettings(curve=with_server)
+    )
+    await started(
+        manager_factory, pool_of(plain_port), via_plain, KVEventsSettings(curve=bind_only)
+    )
+    try:
+        for i in range(TRIES):
+            frames = [b"kv@127.0.0.1:8000@m", i.to_bytes(8, "big"), payload(i)]
+            await relay.send_multipart(frames)
+            await plain.send_multipart(frames)
+            await asyncio.sleep(0.05)
+            if via_relay.applied and via_plain.applied:
+                break
+        assert via_relay.applied and via_plain.applied
+    finally:
+        relay.close(0)
+        plain.close(0)
+        ZapRegistry.release(domain)

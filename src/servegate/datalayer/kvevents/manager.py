@@ -26,7 +26,6 @@ Who may speak for a replica (docs/reliability.md, threat model):
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -68,8 +67,9 @@ class KVEventsSettings:
     """A SUB socket to bind for all replicas (`tcp://*:5557`, `tcp://127.0.0.1:5557`)."""
     replay_timeout_s: float = 2.0
     curve: CurveSettings | None = None
-    """CURVE: a bound socket admits only authorized publisher keys; connected sockets are
-    CURVE clients of the publishers (relays that are CURVE servers)."""
+    """CURVE: a bound socket admits only authorized publisher keys; with `server_key_file`
+    set, per-replica (connected) sockets are CURVE clients of publishers holding that key
+    (relays that are CURVE servers); without it they stay plain, as vLLM publishes."""
     allow_unauthenticated_bind: bool = False
     """Run a bind socket without `curve`: messages are accepted only from the TCP address of
     the pool member their topic names. Without this (or `curve`) bind mode stays off."""
@@ -82,14 +82,6 @@ def _host(endpoint: str) -> str | None:
 
 def _bare(host: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def address_of_topic(topic: bytes) -> str | None:
@@ -198,6 +190,9 @@ class KVEventsManager:
             CurveKeys.load(self.settings.curve) if self.settings.curve is not None else None
         )
         """Loaded when the manager is built, so a bad key file fails at start-up."""
+        curve = self.settings.curve
+        self._curve_connects = curve is not None and curve.server_key_file is not None
+        """Per-replica connections use CURVE only when the publishers' key is named."""
 
     def resolve(self, endpoint: Endpoint) -> tuple[str, str | None] | None:
         """(publisher endpoint, replay endpoint) of a replica, or None when unknown."""
@@ -307,6 +302,9 @@ class KVEventsManager:
         self._unwatch(endpoint.address)
         url, replay = resolved
         bound = binds(url)
+        keys = self.keys
+        if not bound and not self._curve_connects:
+            keys = None
         subscriber = KVEventSubscriber(
             self._context,
             url,
@@ -316,7 +314,7 @@ class KVEventsManager:
             replay_timeout_s=self.settings.replay_timeout_s,
             name=endpoint.address,
             bind=bound,
-            curve=self.keys,
+            curve=keys,
             admit=self._origins.for_replica(endpoint) if bound else None,
         )
         self._launch(endpoint.address, subscriber)
