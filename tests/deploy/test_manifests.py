@@ -60,8 +60,9 @@ KUSTOMIZATIONS = sorted(
 )
 GATEWAY_POD = {"app.kubernetes.io/name": "servegate", "app.kubernetes.io/component": "gateway"}
 BUS_PORT = 7700
-CURVE_SETTINGS = {"secret_key_file", "public_keys_dir"}
-"""`scaleout.curve` as the manifests assume it (issue 18 adds CURVE to the bus)."""
+CURVE_SETTINGS = {"secret_key_file"}
+"""`scaleout.curve` as the manifests set it: one key pair for the whole mesh, so the
+authorized keys default to its own public key (servegate/curve.py)."""
 SERVING_OVERLAYS = sorted(p for p in OVERLAYS.iterdir() if (p / "kustomization.yaml").exists())
 Resource = dict[str, Any]
 
@@ -125,11 +126,7 @@ def scaleout_doc(resources: list[Resource]) -> dict[str, Any]:
 def gateway_config(resources: list[Resource]) -> tuple[Any, dict[str, str]]:
     data = dict(one(resources, "ConfigMap", "servegate-config")["data"])
     doc = yaml.safe_load(data["config.yaml"])
-    if "curve" not in ScaleOutSettings.model_fields:
-        # The bus's CURVE settings arrive with issue 18's branch; until they do, the
-        # manifests' `scaleout.curve` is checked by test_bus_keys_come_from_the_secret.
-        doc["scaleout"].pop("curve")
-        data["config.yaml"] = yaml.safe_dump(doc)
+    assert "curve" in doc["scaleout"]
     return parse_config(data["config.yaml"], "config.yaml", environ={}), data
 
 
@@ -201,7 +198,6 @@ def test_bus_keys_come_from_the_secret(overlay: list[Resource]) -> None:
     assert "optional" not in volume["secret"]  # no keys, no start: never a plaintext bus
     (mount,) = [m for m in spec["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
     assert mount["readOnly"] is True
-    assert curve["public_keys_dir"] == mount["mountPath"]
     assert Path(curve["secret_key_file"]).parent == Path(mount["mountPath"])
 
 

@@ -127,7 +127,7 @@ async def test_global_socket_mode_attributes_batches_by_topic() -> None:
     pool = Pool()
     pool.add(endpoint("a:1"))
     index = Index()
-    settings = KVEventsSettings(bind_endpoint="tcp://127.0.0.1:*")
+    settings = KVEventsSettings(bind_endpoint="tcp://127.0.0.1:*", allow_unauthenticated_bind=True)
     manager = KVEventsManager(pool, [index], settings)
     await manager.start()
     try:

@@ -159,7 +159,7 @@ async def test_prefix_insertions_are_published_and_remote_ones_inserted_silently
     pool = make_pool()
     scheduler = load_picker_config(DEFAULT_PICKER_CONFIG, PluginContext(staleness_s=2.0))
     sharing = PrefixSharing(bus, SETTINGS)
-    sharing.attach([("default", scheduler)])
+    sharing.attach([("default", pool, scheduler)])
     scorer = approx_scorer(dict(scheduler.plugins))
     llm = LLMRequest(
         kind=RequestKind.COMPLETION, model="m", body={}, prompt="x" * 640, request_id="r",
@@ -197,7 +197,7 @@ async def test_a_follower_applies_the_leaders_metrics_health_and_models(bus: Rec
 
     follower = MetricsSharing(bus, SETTINGS, False, lambda: [pool], never)
     bus.receive(
-        Message(METRICS, "me/w1.1", "default", (report(A, True, 4.0), report(B, False, 1.0)))
+        Message(METRICS, "me/w0.2", "default", (report(A, True, 4.0), report(B, False, 1.0)))
     )
     a, b = pool.get(A), pool.get(B)
     assert a is not None and b is not None

@@ -10,6 +10,9 @@ are parsed; `prometheus_client`'s parser is the reference the tests compare with
 
 No input raises: a line of a needed family that cannot be read is skipped and
 counted in `ParseResult.malformed`; non-finite values (NaN, ±Inf) are ignored.
+Values that are finite but impossible (a negative queue, KV usage of 5) are named
+in `ParseResult.out_of_range` (see `servegate.pool.sanity`); the result's
+metrics are clamped into range either way.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from math import isfinite as _isfinite
 
 from servegate.engines.spec import SIGNALS, Aggregation, EngineSpec, MetricSpec, Signal
 from servegate.pool.endpoint import EndpointMetrics, LoraInfo
+from servegate.pool.sanity import out_of_range, sane
 
 Labels = dict[str, str]
 Series = tuple[Labels, float]
@@ -50,6 +54,9 @@ class ParseResult:
     """Lines of needed families that were read."""
     missing: tuple[str, ...]
     """Signals the engine publishes that this page did not provide."""
+    out_of_range: tuple[str, ...] = ()
+    """Signals whose values no engine can report (negative, absurdly large); the scraper
+    rejects such a page. `metrics` holds them clamped into range."""
 
 
 class MetricsParser:
@@ -110,7 +117,8 @@ class MetricsParser:
             else:
                 setattr(metrics, signal, value)
         samples = sum(map(len, found.values()))
-        return ParseResult(metrics, malformed, samples, tuple(missing))
+        bad = tuple(name for name in out_of_range(metrics) if name not in missing)
+        return ParseResult(sane(metrics), malformed, samples, tuple(missing), bad)
 
 
 def _compile(families: tuple[str, ...]) -> tuple[re.Pattern[str], re.Pattern[str]]:

@@ -33,10 +33,13 @@ CONNECTION = "connection"
 HTTP_STATUS = "http_status"
 TOO_LARGE = "too_large"
 NO_SIGNALS = "no_signals"
+OUT_OF_RANGE = "out_of_range"
 ERROR = "error"
-REASONS = (TIMEOUT, CONNECTION, HTTP_STATUS, TOO_LARGE, NO_SIGNALS, ERROR)
+REASONS = (TIMEOUT, CONNECTION, HTTP_STATUS, TOO_LARGE, NO_SIGNALS, OUT_OF_RANGE, ERROR)
 """Why a scrape failed: `no_signals` = the page had none of waiting/running/KV usage
-(e.g. trtllm-serve without `return_perf_metrics`); `error` = a bug, logged with a traceback."""
+(e.g. trtllm-serve without `return_perf_metrics`); `out_of_range` = a value no engine can
+report (a negative or absurdly large queue, KV usage outside [0, 1]: `servegate.pool.sanity`),
+so the page is not believed; `error` = a bug, logged with a traceback."""
 
 _ERROR_LOG_EVERY = 60.0
 
@@ -133,6 +136,9 @@ class Scraper:
         self.stats.malformed_lines += result.malformed
         if self._core and all(signal in result.missing for signal in self._core):
             self._failed(NO_SIGNALS, f"none of {', '.join(self._core)} on the page")
+            return False
+        if result.out_of_range:
+            self._failed(OUT_OF_RANGE, f"impossible {', '.join(result.out_of_range)}")
             return False
         self.pool.set_metrics(self.endpoint.address, result.metrics)
         if self.stats.consecutive_failures:

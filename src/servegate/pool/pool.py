@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from servegate.pool.endpoint import Endpoint, EndpointMetrics, EndpointState
+from servegate.pool.sanity import MAX_IN_FLIGHT, MAX_IN_FLIGHT_TOKENS, in_flight_count, sane
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,9 +114,10 @@ class Pool:
 
     # -- live state (data layer) ------------------------------------------------
     def set_metrics(self, address: str, metrics: EndpointMetrics) -> None:
+        """Clamped into range first (`servegate.pool.sanity.sane`): whoever reported them."""
         state = self._states.get(address)
         if state is not None:
-            state.metrics = metrics
+            state.metrics = sane(metrics)
             self._changed(state)
 
     def set_health(self, address: str, healthy: bool) -> None:
@@ -175,10 +177,15 @@ class Pool:
             watcher(state)
 
     def set_peer_in_flight(self, address: str, requests: int, tokens: int) -> None:
-        """Scale-out peers' in-flight work on `address`; the totals scorers read include it."""
+        """Scale-out peers' in-flight work on `address`; the totals scorers read include it.
+
+        Capped at `sanity.MAX_IN_FLIGHT` requests and `MAX_IN_FLIGHT_TOKENS` tokens: what
+        peers say is input from other processes."""
         state = self._states.get(address)
         if state is None:
             return
+        requests = in_flight_count(requests, MAX_IN_FLIGHT)
+        tokens = in_flight_count(tokens, MAX_IN_FLIGHT_TOKENS)
         state.peer_in_flight_requests = requests
         state.peer_in_flight_tokens = tokens
         state.in_flight_requests = state.local_in_flight_requests + requests

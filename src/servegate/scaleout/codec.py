@@ -4,7 +4,10 @@ A message is `[version, kind, origin, pool, hops, body]`. `origin` names the
 process that produced the state (`<replica>/<worker>`), `hops` is 1 once a
 replica bridge has carried it to another host (a bridge never forwards it again).
 Everything read from the wire is checked before use: anything malformed raises
-`DecodeError` and is counted and dropped by the receiver, never applied.
+`DecodeError` and is counted and dropped by the receiver, never applied. Numbers
+are range-checked too: in-flight counts over `pool.sanity.MAX_IN_FLIGHT`
+(requests) or `MAX_IN_FLIGHT_TOKENS`, a prefix capacity over `MAX_CAPACITY` or
+more than `MAX_KEYS_PER_ENTRY` keys in one insertion make the message invalid.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import msgpack
 
 from servegate.pool.endpoint import EndpointMetrics, LoraInfo
 from servegate.pool.pool import ModelEntry
+from servegate.pool.sanity import MAX_IN_FLIGHT, MAX_IN_FLIGHT_TOKENS
 
 VERSION = 1
 INFLIGHT = "inflight"
@@ -30,6 +34,9 @@ REPLICATED = frozenset({INFLIGHT, PREFIX, GONE})
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_NAME = 512
 MAX_KEY = (1 << 64) - 1
+MAX_CAPACITY = 1 << 24
+"""Blocks one endpoint's prefix LRU may be told to hold (far above any GPU's block count)."""
+MAX_KEYS_PER_ENTRY = 1 << 16
 
 
 class DecodeError(ValueError):
@@ -126,7 +133,11 @@ def _decode_body(kind: str, body: Any) -> Body:
 def _inflight(item: Any) -> InFlight:
     if not isinstance(item, list) or len(item) != 3:
         raise DecodeError("an in-flight entry is [address, requests, tokens]")
-    return InFlight(_name(item[0], "address"), _count(item[1]), _count(item[2]))
+    requests, tokens = _count(item[1]), _count(item[2])
+    if requests > MAX_IN_FLIGHT or tokens > MAX_IN_FLIGHT_TOKENS:
+        raise DecodeError(f"in-flight counts over {MAX_IN_FLIGHT} requests / "
+                          f"{MAX_IN_FLIGHT_TOKENS} tokens")  # fmt: skip
+    return InFlight(_name(item[0], "address"), requests, tokens)
 
 
 def _prefix(item: Any) -> PrefixInsert:
@@ -135,8 +146,10 @@ def _prefix(item: Any) -> PrefixInsert:
     plugin, address, capacity, keys = item
     if capacity is not None:
         capacity = _count(capacity)
-        if capacity < 1:
-            raise DecodeError("capacity must be positive")
+        if not 1 <= capacity <= MAX_CAPACITY:
+            raise DecodeError(f"capacity must be in [1, {MAX_CAPACITY}]")
+    if isinstance(keys, list) and len(keys) > MAX_KEYS_PER_ENTRY:
+        raise DecodeError(f"more than {MAX_KEYS_PER_ENTRY} keys in one insertion")
     if not isinstance(keys, list) or not all(type(k) is int and 0 <= k <= MAX_KEY for k in keys):
         raise DecodeError("prefix keys are unsigned 64-bit integers")
     return PrefixInsert(_name(plugin, "plugin"), _name(address, "address"), capacity, tuple(keys))

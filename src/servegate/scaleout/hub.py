@@ -5,6 +5,10 @@ bound), so each worker sees every other. With `scaleout.bind` the hub is also
 the bridge to peer replicas: messages that originate on this host (hops 0) of
 the replicated kinds go out on the replica link; messages from peers come in
 with hops 1 and are never sent out again, so a full mesh of peers has no loops.
+
+The ipc hub is not authenticated: it trusts every process that can open its
+sockets, so the directory is made owner-only (0700) and the socket files 0600,
+and a directory owned by another user is refused.
 """
 
 from __future__ import annotations
@@ -31,8 +35,17 @@ from servegate.scaleout.replica import ReplicaLink
 log = logging.getLogger("servegate.scaleout")
 
 
+def owner_only(directory: str) -> None:
+    """Make `directory` 0700; `PermissionError` when another user owns it."""
+    info = os.stat(directory)
+    if info.st_uid != os.getuid():
+        raise PermissionError(f"{directory} belongs to uid {info.st_uid}, not this process")
+    os.chmod(directory, 0o700)
+
+
 class Hub:
     def __init__(self, directory: str, replica_id: str, link: ReplicaLink | None) -> None:
+        owner_only(directory)
         self.hub_in = f"ipc://{os.path.join(directory, 'bus-in')}"
         self.hub_out = f"ipc://{os.path.join(directory, 'bus-out')}"
         self.replica_id = replica_id
@@ -42,6 +55,8 @@ class Hub:
         self._in.bind(self.hub_in)
         self._out = new_socket(zmq.PUB)
         self._out.bind(self.hub_out)
+        for name in ("bus-in", "bus-out"):
+            os.chmod(os.path.join(directory, name), 0o600)
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:

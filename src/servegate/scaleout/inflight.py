@@ -7,6 +7,12 @@ the sum over origins to `Pool.set_peer_in_flight`. A snapshot is self-contained,
 so a lost message is corrected by the next one. An origin that stops
 heartbeating for `expiry_s`, or that its supervisor reports gone, is dropped:
 its counts are released.
+
+What peers send is input from other processes: a snapshot for a pool this
+process does not have is ignored, entries for addresses that are not pool
+members are dropped, and at most `max_peers` origins are tracked (each origin's
+state is one count pair per pool member, so memory stays bounded). Every
+rejection is counted in `rejected` by reason.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -50,6 +57,9 @@ class InFlightSharing:
         self.peers: dict[str, PeerView] = {}
         self.expired = 0
         self.departed = 0
+        self.rejected: Counter[str] = Counter()
+        """Snapshots or entries ignored: `pool` (unknown pool), `address` (not a pool member),
+        `peers` (over `max_peers` origins)."""
         self._attached: set[int] = set()
         self._dirty: set[str] = set()
         self._coalesce = Coalescer(settings.coalesce_s, self.flush)
@@ -105,12 +115,25 @@ class InFlightSharing:
 
     # -- bus → pool -------------------------------------------------------------------
     def on_snapshot(self, msg: Message) -> None:
+        pool = self._pool(msg.pool)
+        if pool is None:
+            self.rejected["pool"] += 1
+            return
         view = self.peers.get(msg.origin)
         if view is None:
+            if len(self.peers) >= self.settings.max_peers:
+                self.rejected["peers"] += 1
+                return
             view = self.peers[msg.origin] = PeerView(self._clock())
             log.info("scale-out peer joined: %s", msg.origin)
         view.last_seen = self._clock()
-        new: Counts = {e.address: (e.requests, e.tokens) for e in msg.body or ()}  # type: ignore[union-attr]
+        new: Counts = {}
+        for e in msg.body or ():
+            assert isinstance(e, InFlight)
+            if pool.get(e.address) is None:
+                self.rejected["address"] += 1
+                continue
+            new[e.address] = (e.requests, e.tokens)
         old = view.pools.get(msg.pool, {})
         view.pools[msg.pool] = new
         if new or old:
@@ -146,8 +169,11 @@ class InFlightSharing:
             tokens += t
         return requests, tokens
 
+    def _pool(self, name: str) -> Pool | None:
+        return next((p for p in self._pools() if p.name == name), None)
+
     def _recompute(self, pool_name: str, addresses: Iterable[str]) -> None:
-        pool = next((p for p in self._pools() if p.name == pool_name), None)
+        pool = self._pool(pool_name)
         if pool is None:
             return
         for address in addresses:

@@ -10,6 +10,11 @@ state would otherwise mark every endpoint down in followers that still know bett
 A follower that hears nothing for `leader_takeover_s` (the leader
 died and is being restarted) starts its own data layer, and stops it again when
 the leader is back. Metrics stay on the host: every replica scrapes for itself.
+
+Followers apply reports only from their own host's leader: origin
+`<replica>/w0.<generation>` of their own replica id, not carried by a bridge
+(hops 0). Anything else is counted in `rejected` and ignored. The values are
+clamped where they enter the pool (`Pool.set_metrics`).
 """
 
 from __future__ import annotations
@@ -71,6 +76,9 @@ class MetricsSharing:
         self._clock = clock
         self.last_heard = self._started = clock()
         self.applied = 0
+        self.rejected = 0
+        """METRICS messages ignored because they did not come from this host's leader."""
+        self.leader_prefix = f"{bus.origin.split('/', 1)[0]}/w0."
         self.taken_over = False
         self.takeovers = 0
         self._attached: set[int] = set()
@@ -137,7 +145,8 @@ class MetricsSharing:
 
     # -- follower ---------------------------------------------------------------------
     def on_reports(self, msg: Message) -> None:
-        if msg.hops:
+        if msg.hops or not msg.origin.startswith(self.leader_prefix):
+            self.rejected += 1
             return
         pool = next((p for p in self._pools() if p.name == msg.pool), None)
         if pool is None:

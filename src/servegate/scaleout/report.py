@@ -108,4 +108,17 @@ class ScaleOutCollector(Collector):
             "servegate_scaleout_scrapes", "1 when this process scrapes endpoints itself."
         )
         scrapes.add_metric([], 1.0 if s.metrics.scrapes else 0.0)
-        return [peers, age, messages, invalid, released, scrapes]
+        rejected = CounterMetricFamily(
+            "servegate_scaleout_rejected",
+            "Well-formed bus state ignored: not for a pool member, too much of it, or not "
+            "from a known origin (docs/reliability.md, threat model).",
+            labels=["stream", "reason"],
+        )
+        for reason, n in s.inflight.rejected.items():
+            rejected.add_metric(["inflight", reason], n)
+        for reason, n in s.prefix.rejected.items():
+            rejected.add_metric(["prefix", reason], n)
+        rejected.add_metric(["metrics", "origin"], s.metrics.rejected)
+        if s.link is not None:
+            rejected.add_metric(["link", "curve_refused"], s.link.refused)
+        return [peers, age, messages, invalid, released, scrapes, rejected]

@@ -5,6 +5,9 @@
       bind: tcp://0.0.0.0:7700        # this replica's bus, for peer replicas to subscribe to
       peers: [tcp://gw-1:7700]        # static peer replicas (this replica's own address is ignored)
       peer_service: servegate-peers.llm.svc.cluster.local   # or a headless Service (DNS A records)
+      curve:                          # authenticate + encrypt the replica link (docs/scaleout.md)
+        secret_key_file: /etc/servegate/bus/bus.key_secret
+      prefix_key_file: /etc/servegate/bus/prefix.key   # keyed prefix hashes
 
 With one worker and no `bind` nothing changes: the gateway runs as one process.
 """
@@ -19,6 +22,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from servegate.curve import CurveSettings
 
 WORKER_ENV = "SERVEGATE_WORKER"
 """Set by the supervisor in each worker's environment (JSON); no `__`, so not a config override."""
@@ -50,6 +55,17 @@ class ScaleOutSettings(BaseModel):
     """A follower worker that has heard no shared metrics for this long scrapes on its own."""
     restart_backoff_s: float = Field(0.5, gt=0)
     restart_backoff_max_s: float = Field(10.0, gt=0)
+    curve: CurveSettings | None = None
+    """ZeroMQ CURVE on the replica link (`bind`/`peers`): only processes holding an authorized
+    key pair can subscribe or publish, and the traffic is encrypted. None = plaintext and
+    unauthenticated (a warning at start); the host's ipc hub is owner-only either way."""
+    prefix_key_file: str | None = None
+    """A shared secret (any bytes, at least 16): prefix-cache block keys are computed with a
+    seed derived from it, so a listener cannot confirm a guessed prompt from the keys on the
+    bus. Every worker and replica must use the same file."""
+    max_peers: int = Field(1024, ge=1, le=65536)
+    """Origins (worker processes, here and on peer replicas) tracked at once; state from more
+    is ignored and counted."""
 
     @field_validator("bind")
     @classmethod

@@ -95,7 +95,7 @@ class ScaleOut:
             install_followers(self.gw)
         if self.link is not None:
             await self.link.start()
-        self.prefix.attach((name, scheduler) for name, _, scheduler in _runtimes(self.gw))
+        self.prefix.attach(_runtimes(self.gw))
         self.bus.start()
         self.inflight.start()
         self.metrics.start()
@@ -111,7 +111,7 @@ class ScaleOut:
 
     def reattach(self, gw: Gateway) -> None:
         """After a config reload swapped schedulers or pools: hook the new ones."""
-        self.prefix.attach((name, scheduler) for name, _, scheduler in _runtimes(gw))
+        self.prefix.attach(_runtimes(gw))
         if not self.metrics.leader:
             self._stopping.extend(install_followers(gw))
             if self.metrics.taken_over:
@@ -165,6 +165,13 @@ class ScaleOut:
             },
             "prefix_applied": self.prefix.applied,
             "prefix_unmatched": self.prefix.unmatched,
+            "rejected": {
+                "in_flight": dict(self.inflight.rejected),
+                "prefix": dict(self.prefix.rejected),
+                "metrics": self.metrics.rejected,
+                "curve_refused": self.link.refused if self.link is not None else 0,
+            },
+            "authenticated": self.link is None or self.link.keys is not None,
             "released": {"expired": self.inflight.expired, "gone": self.inflight.departed},
             "bus": self.bus.stats.as_dict(),
             "not_shared": list(NOT_SHARED),

@@ -8,21 +8,39 @@ every replica's batches and the topic's `@<host:port>@` part says whose they are
 
 Batches go to every `BlockIndex` (one per precise prefix scorer). A replica
 removed from the pool loses its subscriber and its blocks.
+
+Who may speak for a replica (docs/reliability.md, threat model):
+
+- per-replica (connect) mode: the subscriber connects to the replica's own
+  address, so whatever arrives comes from that replica; the topic is not
+  consulted. This is the trusted default for plain vLLM publishers.
+- shared bind mode: the topic names the replica, so the origin must be proven.
+  With `curve` the socket is a CURVE server that admits only authorized publisher
+  keys (relays, bridges) and the topic must name a pool member. Without it, bind
+  mode runs only with `allow_unauthenticated_bind`, logs a warning, and accepts a
+  message only when its TCP source address is the host of the pool member the
+  topic names (so a foreign host cannot steer prompts or send `AllBlocksCleared`
+  for a replica; a process on the replica's own host still can).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
 
 import zmq.asyncio
 
+from servegate.curve import CurveKeys, CurveSettings
 from servegate.datalayer.kvevents.events import EventBatch
-from servegate.datalayer.kvevents.transport import KVEventSubscriber, SubscriberStats
+from servegate.datalayer.kvevents.transport import (
+    KVEventSubscriber,
+    SubscriberStats,
+    binds,
+)
 from servegate.pool.endpoint import Endpoint, EndpointState
 from servegate.pool.pool import Pool
 
@@ -46,13 +64,24 @@ class KVEventsSettings:
     topic_filter: str = ""
     """ZMQ subscription prefix; "" receives every topic."""
     bind_endpoint: str | None = None
-    """A SUB socket to bind for all replicas (`tcp://*:5557`)."""
+    """A SUB socket to bind for all replicas (`tcp://*:5557`, `tcp://127.0.0.1:5557`)."""
     replay_timeout_s: float = 2.0
+    curve: CurveSettings | None = None
+    """CURVE: a bound socket admits only authorized publisher keys; with `server_key_file`
+    set, per-replica (connected) sockets are CURVE clients of publishers holding that key
+    (relays that are CURVE servers); without it they stay plain, as vLLM publishes."""
+    allow_unauthenticated_bind: bool = False
+    """Run a bind socket without `curve`: messages are accepted only from the TCP address of
+    the pool member their topic names. Without this (or `curve`) bind mode stays off."""
 
 
 def _host(endpoint: str) -> str | None:
     parts = urlsplit(endpoint)
     return parts.hostname
+
+
+def _bare(host: str) -> str:
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 def address_of_topic(topic: bytes) -> str | None:
@@ -105,6 +134,41 @@ class _TopicSink:
                 index.clear(address)
 
 
+class _Origins:
+    """`admit` checks for bound sockets: who may speak for which pool member."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+
+    def _member(self, topic: bytes) -> EndpointState | None:
+        address = address_of_topic(topic)
+        return None if address is None else self.pool.get(address)
+
+    def authenticated(self, topic: bytes, peer: str | None, user: str | None) -> str | None:
+        """CURVE bind: ZAP admitted the key; the topic must still name a pool member."""
+        if user is None:
+            return "unauthenticated"
+        return None if self._member(topic) is not None else "unknown-topic"
+
+    def by_address(self, topic: bytes, peer: str | None, user: str | None) -> str | None:
+        """Plain bind: the TCP source must be the host of the pool member the topic names."""
+        state = self._member(topic)
+        if state is None:
+            return "unknown-topic"
+        return None if peer is not None and _bare(state.endpoint.host) == peer else "wrong-origin"
+
+    def for_replica(
+        self, endpoint: Endpoint
+    ) -> Callable[[bytes, str | None, str | None], str | None]:
+        """A per-replica socket that binds (its `kv_events` says `*`): only that replica's host."""
+        host = _bare(endpoint.host)
+
+        def admit(topic: bytes, peer: str | None, user: str | None) -> str | None:
+            return None if user is not None or peer == host else "wrong-origin"
+
+        return admit
+
+
 class KVEventsManager:
     def __init__(
         self,
@@ -121,6 +185,14 @@ class KVEventsManager:
         self._context: zmq.asyncio.Context | None = None
         self._running = False
         self._subscribed = False
+        self._origins = _Origins(pool)
+        self.keys: CurveKeys | None = (
+            CurveKeys.load(self.settings.curve) if self.settings.curve is not None else None
+        )
+        """Loaded when the manager is built, so a bad key file fails at start-up."""
+        curve = self.settings.curve
+        self._curve_connects = curve is not None and curve.server_key_file is not None
+        """Per-replica connections use CURVE only when the publishers' key is named."""
 
     def resolve(self, endpoint: Endpoint) -> tuple[str, str | None] | None:
         """(publisher endpoint, replay endpoint) of a replica, or None when unknown."""
@@ -151,18 +223,45 @@ class KVEventsManager:
             self._subscribed = True
         bind = self.settings.bind_endpoint
         if bind is not None:
-            stats = SubscriberStats()
-            subscriber = KVEventSubscriber(
-                self._context,
-                bind,
-                _TopicSink(self.pool, self.indexes, stats),
-                topic_filter=self.settings.topic_filter,
-                name=bind,
-                stats=stats,
-            )
-            self._launch(bind, subscriber)
+            self._start_bind(bind)
         for state in self.pool:
             self._watch(state.endpoint)
+
+    def _start_bind(self, bind: str) -> None:
+        assert self._context is not None
+        if self.keys is not None:
+            admit = self._origins.authenticated
+        elif self.settings.allow_unauthenticated_bind:
+            log.warning(
+                "KV events: %s is bound WITHOUT authentication: a message is believed when its "
+                "TCP source is the host of the replica its topic names; any process on that "
+                "host, or anyone who can spoof it, can steer routing or clear the replica's "
+                "blocks. Prefer per-replica sockets (kv_events.port) or kv_events.curve",
+                bind,
+            )
+            admit = self._origins.by_address
+        else:
+            log.error(
+                "KV events: not binding %s: shared bind mode trusts the topic to name the "
+                "replica, so it needs kv_events.curve (authenticated publishers) or "
+                "kv_events.allow_unauthenticated_bind: true; use kv_events.port for plain "
+                "vLLM publishers (docs/cache-routing.md)",
+                bind,
+            )
+            return
+        stats = SubscriberStats()
+        subscriber = KVEventSubscriber(
+            self._context,
+            bind,
+            _TopicSink(self.pool, self.indexes, stats),
+            topic_filter=self.settings.topic_filter,
+            name=bind,
+            stats=stats,
+            bind=True,
+            curve=self.keys,
+            admit=admit,
+        )
+        self._launch(bind, subscriber)
 
     async def stop(self) -> None:
         self._running = False
@@ -202,6 +301,10 @@ class KVEventsManager:
             return
         self._unwatch(endpoint.address)
         url, replay = resolved
+        bound = binds(url)
+        keys = self.keys
+        if not bound and not self._curve_connects:
+            keys = None
         subscriber = KVEventSubscriber(
             self._context,
             url,
@@ -210,6 +313,9 @@ class KVEventsManager:
             topic_filter=self.settings.topic_filter,
             replay_timeout_s=self.settings.replay_timeout_s,
             name=endpoint.address,
+            bind=bound,
+            curve=keys,
+            admit=self._origins.for_replica(endpoint) if bound else None,
         )
         self._launch(endpoint.address, subscriber)
 

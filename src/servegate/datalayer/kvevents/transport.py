@@ -17,6 +17,13 @@ On the first batch of a topic with a replay socket, batches buffered before it
 are asked for too (a late subscriber catches up on what the engine already
 holds). Malformed frames, sequence numbers and payloads are counted by reason
 and dropped; nothing a publisher sends can stop the subscriber.
+
+A bound subscriber (many publishers connect to it) cannot know from the frames
+who sent them, so it takes an `admit(topic, peer_address, user_id)` check that
+runs before anything else (sequence tracking included: a forged sequence number
+could otherwise make a replica look restarted and wipe its blocks). With CURVE
+the user id is the publisher's authenticated public key; without it the peer
+address is the publisher's TCP source address.
 """
 
 from __future__ import annotations
@@ -24,13 +31,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import zmq
 import zmq.asyncio
 
+from servegate.curve import CurveKeys, ZapRegistry, peer_address, user_id
 from servegate.datalayer.kvevents.decode import DecodeError, decode_batch
 from servegate.datalayer.kvevents.events import (
     AllBlocksCleared,
@@ -43,6 +51,8 @@ log = logging.getLogger(__name__)
 
 END_SEQ = -1
 SEQ_BYTES = 8
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""libzmq drops (and disconnects) a publisher whose frame is larger, before buffering it."""
 
 
 class BatchSink(Protocol):
@@ -105,6 +115,10 @@ def parse_seq(raw: bytes) -> int | None:
 def binds(endpoint: str) -> bool:
     """vLLM's rule, used for the subscriber's side too: `*` or `::` means bind."""
     return "*" in endpoint or "::" in endpoint
+
+
+Admit = Callable[[bytes, str | None, str | None], str | None]
+"""`admit(topic, peer_address, user_id)` → None to accept a message, else the drop reason."""
 
 
 class KVEventStream:
@@ -225,9 +239,18 @@ class KVEventSubscriber:
         replay_timeout_s: float = 2.0,
         name: str | None = None,
         stats: SubscriberStats | None = None,
+        bind: bool | None = None,
+        curve: CurveKeys | None = None,
+        admit: Admit | None = None,
     ) -> None:
+        """`bind`: None = vLLM's rule (`binds`); `curve`: a bound socket is a CURVE server
+        that admits only `curve.authorized` publisher keys, a connected one a CURVE client of
+        `curve.server`; `admit`: checked per message before anything else."""
         self.context = context
         self.endpoint = endpoint
+        self.bind = binds(endpoint) if bind is None else bind
+        self.curve = curve
+        self.admit = admit
         self.replay_endpoint = replay_endpoint
         self.topic_filter = topic_filter
         self.replay_timeout_s = replay_timeout_s
@@ -236,25 +259,53 @@ class KVEventSubscriber:
         self.stream = KVEventStream(sink, self.stats, can_replay=replay_endpoint is not None)
         self.ready = asyncio.Event()
         """Set once the socket is connected (or bound) and subscribed."""
+        self.bound_endpoint: str | None = None
+        """The address a bound socket got (its port, when the endpoint said `*`)."""
+        self.zap_domain: str | None = None
+
+    @property
+    def refused(self) -> int:
+        """Publishers a CURVE bind socket turned away (keys not authorized)."""
+        return ZapRegistry.refused(self.zap_domain) if self.zap_domain is not None else 0
 
     async def run(self) -> None:
         """Receive until cancelled; a bad endpoint string ends the task with a log line."""
         sock = self.context.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        domain: str | None = None
         try:
             try:
                 sock.setsockopt(zmq.SUBSCRIBE, self.topic_filter.encode())
-                if binds(self.endpoint):
+                if self.bind:
+                    if self.curve is not None:
+                        domain = self.zap_domain = ZapRegistry.server(sock, self.curve)
                     sock.bind(self.endpoint)
                 else:
+                    if self.curve is not None:
+                        self.curve.client(sock)
                     sock.connect(self.endpoint)
             except zmq.ZMQError as exc:
-                log.error("KV events: cannot subscribe to %s: %s", self.endpoint, exc)
+                verb = "bind" if self.bind else "connect to"
+                log.error("KV events: cannot %s %s: %s", verb, self.endpoint, exc)
                 return
+            if self.bind:
+                last = sock.getsockopt(zmq.LAST_ENDPOINT)
+                self.bound_endpoint = last.decode() if isinstance(last, bytes) else str(last)
             self.ready.set()
+            admit = self.admit
             while True:
-                frames = await sock.recv_multipart()
+                if admit is None:
+                    frames = await sock.recv_multipart()
+                else:
+                    raw = await sock.recv_multipart(copy=False)
+                    frames = [frame.bytes for frame in raw]
+                    reason = admit(frames[0], peer_address(raw[0]), user_id(raw[0]))
+                    if reason is not None:
+                        self.stats.messages += 1
+                        self.stats.drop(reason)
+                        continue
                 gap = self.stream.on_message(frames)
                 if gap is not None:
                     self.stats.replays += 1
@@ -262,6 +313,9 @@ class KVEventSubscriber:
                     self.stream.finish_gap(gap, replayed)
         finally:
             sock.close(linger=0)
+            if domain is not None:
+                ZapRegistry.release(domain)
+                self.zap_domain = None
 
     async def replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """Batches from `start` on, from the replay socket; None when it fails or times out."""
@@ -269,6 +323,9 @@ class KVEventSubscriber:
             return None
         dealer = self.context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        if self.curve is not None:
+            self.curve.client(dealer)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.replay_timeout_s
         out: list[tuple[int, bytes]] = []

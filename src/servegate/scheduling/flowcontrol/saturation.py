@@ -54,6 +54,8 @@ from servegate.scheduling.request import LLMRequest
 
 SATURATED = 1.0
 """Pool saturation at or above this means: hold requests back."""
+_MAX_SCORE = 1e12
+"""An endpoint score beyond this (or negative, or NaN) comes from impossible metrics."""
 
 
 @runtime_checkable
@@ -134,7 +136,10 @@ class UtilizationDetector:
         for state in fresh:
             m = state.metrics
             credit = max(0.0, state.in_flight_requests - (m.waiting + m.running)) + spread
-            total += max((m.waiting + credit) / self.q_threshold, m.kv_usage / self.kv_threshold)
+            score = max((m.waiting + credit) / self.q_threshold, m.kv_usage / self.kv_threshold)
+            # The pool clamps metrics into range; this guards states built elsewhere: an
+            # impossible value counts as saturated, never as a NaN/inf that disables the gate.
+            total += score if 0.0 <= score <= _MAX_SCORE else SATURATED
         if self.ignore_stale:
             return total / len(fresh)
         return (total + SATURATED * (len(endpoints) - len(fresh))) / len(endpoints)

@@ -26,6 +26,7 @@ from servegate.scheduling.framework import CycleState, Decision
 from servegate.scheduling.prefix.hashing import (
     chain_seed,
     char_block_hashes,
+    keyed_seed,
     token_block_hashes,
 )
 from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
@@ -173,6 +174,8 @@ class PrefixCacheScorer:
         self.index = ApproxPrefixIndex(params.lru_capacity_per_server)
         self.on_insert: InsertHook | None = None
         """Set by scale-out to share local insertions; remote ones go to `index.insert`."""
+        self.seed_key: bytes | None = None
+        """Set by scale-out from `scaleout.prefix_key_file`: block keys chain from a keyed seed."""
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
@@ -185,6 +188,8 @@ class PrefixCacheScorer:
             return keys
         p = self.params
         seed = chain_seed(request.base_model, request.lora)
+        if self.seed_key is not None:
+            seed = keyed_seed(self.seed_key, seed)
         tokens = request.cache.get("token_ids")
         if tokens is not None:
             keys = token_block_hashes(
@@ -220,7 +225,9 @@ class PrefixCacheScorer:
             return None
         return holders
 
-    def _capacity(self, state: EndpointState) -> int | None:
+    def capacity_for(self, state: EndpointState) -> int | None:
+        """The LRU size for `state`: from the engine's block count with `autoTune`, else None
+        (the index's default `lruCapacityPerServer`)."""
         if not self.params.auto_tune:
             return None
         m = state.metrics
@@ -235,7 +242,7 @@ class PrefixCacheScorer:
             return
         for state in (decision.endpoint, decision.prefill):
             if state is not None:
-                capacity = self._capacity(state)
+                capacity = self.capacity_for(state)
                 self.index.insert(state.address, keys, capacity)
                 if self.on_insert is not None:
                     self.on_insert(state.address, keys, capacity)

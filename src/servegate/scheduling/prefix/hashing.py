@@ -7,6 +7,7 @@ under two models never collides. Equal keys mean equal prefixes up to that block
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from array import array
 from collections.abc import Sequence
@@ -19,6 +20,13 @@ _BIG_ENDIAN = sys.byteorder == "big"
 
 def chain_seed(model: str, lora: str | None = None) -> int:
     return _h(f"{model}\x00{lora or ''}".encode())
+
+
+def keyed_seed(key: bytes, seed: int) -> int:
+    """A 64-bit chain seed only holders of `key` can compute (a BLAKE2b keyed MAC of `seed`):
+    block keys chained from it cannot be matched against guessed prompts without the key."""
+    mac = hashlib.blake2b(seed.to_bytes(8, "little"), key=key[:64], digest_size=8)
+    return int.from_bytes(mac.digest(), "little")
 
 
 def char_block_hashes(text: str, block_chars: int, seed: int, max_blocks: int) -> list[int]:

@@ -609,6 +609,8 @@ def kv_events_settings(
             topic_filter=pool.topic_filter,
             bind_endpoint=pool.bind,
             replay_timeout_s=pool.replay_timeout_s,
+            curve=pool.curve,
+            allow_unauthenticated_bind=pool.allow_unauthenticated_bind,
         )
     for plugin in plugins.values():
         if not isinstance(plugin, PrecisePrefixCacheScorer):
@@ -623,9 +625,12 @@ def kv_events_settings(
             topic_filter=llmd.topic_filter,
             bind_endpoint=llmd.zmq_endpoint or None,
             replay_timeout_s=pool.replay_timeout_s,
+            curve=pool.curve,
+            allow_unauthenticated_bind=pool.allow_unauthenticated_bind,
         )
     return KVEventsSettings(
         replay_port=pool.replay_port,
         topic_filter=pool.topic_filter,
         replay_timeout_s=pool.replay_timeout_s,
+        curve=pool.curve,
     )
