@@ -27,7 +27,6 @@ from servegate.engines.registry import EngineRegistry
 from servegate.gateway.app import build_gateway
 from servegate.pool.discovery.pods import inference_pool_target
 from servegate.pool.discovery.settings import KubernetesDiscoverySettings, LabelSelector
-from servegate.scaleout.settings import ScaleOutSettings
 from tests.deploy.render import KubectlMissing, KustomizeError, build, find_kubectl
 from tests.deploy.test_compose import cli
 
