@@ -47,7 +47,7 @@ from servegate.gateway.app import Gateway
 from servegate.gateway.errors import BodyTooLarge, GatewayError, Unauthorized, error_body
 from servegate.gateway.logging import AccessRecord
 from servegate.gateway.metrics import ObjectiveSeries
-from servegate.gateway.parse import parse_request
+from servegate.gateway.parse import parse_request, strip_gateway_fields
 from servegate.gateway.proxy import ROUTING_HEADERS
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.request import LLMRequest, RequestKind
@@ -174,6 +174,8 @@ class ExtProcStream:
         try:
             self._authorise()
             llm = parse_request(body, kind, self._headers, self._rid)
+            if strip_gateway_fields(llm.body):
+                body = orjson.dumps(llm.body)
             record.model = llm.model
             resolve_model(gw, llm)
             record.target_model = llm.target_model

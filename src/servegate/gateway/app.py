@@ -44,7 +44,7 @@ from servegate.gateway.logging import AccessLog, AccessRecord
 from servegate.gateway.metrics import GatewayMetrics
 from servegate.gateway.model_routing import RoutingTable
 from servegate.gateway.openapi import serve_openapi
-from servegate.gateway.parse import parse_request
+from servegate.gateway.parse import parse_request, strip_gateway_fields
 from servegate.gateway.pools import (
     PoolRuntime,
     RuntimeCollector,
@@ -263,6 +263,8 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         _authorise(gw, request)
         body = await _read_body(gw, request)
         llm = parse_request(body, kind, _lower_headers(request), rid)
+        if strip_gateway_fields(llm.body):
+            body = orjson.dumps(llm.body)
         record.model = llm.model
         rt = route_request(gw, llm)
         rt.enter()
