@@ -71,6 +71,18 @@ class GatewaySettings(_Strict):
     """On SIGTERM: stop accepting, then let in-flight requests finish for up to this long."""
     probe_port: int | None = Field(None, ge=0, le=65535)
     """Serve /health and /ready also on this port, from a thread of their own (None = off)."""
+    idle_timeout_s: PositiveFloat = 60.0
+    """Close a client connection that sends nothing for this long (keep-alive idle, and a
+    connection that never sends a request)."""
+    header_timeout_s: PositiveFloat = 10.0
+    """A request head must arrive completely within this long of its first byte."""
+    body_timeout_s: PositiveFloat = 60.0
+    """A request body must arrive completely within this long (else 408)."""
+    max_connections: int | None = Field(None, ge=1)
+    """Open client connections at most; None = three quarters of the file-descriptor limit.
+    A newcomer over the cap displaces the longest-idle connection, else gets 503."""
+    max_connections_per_client: int | None = Field(None, ge=1)
+    """Open connections per client address; None = no limit besides `max_connections`."""
 
 
 class RetrySettings(_Strict):

@@ -29,6 +29,7 @@ from servegate.engines.registry import EngineRegistry
 from servegate.gateway.admin import add_admin_routes
 from servegate.gateway.admission import QUEUE_DURATION_HEADER, GatewayAdmission, queue_ms
 from servegate.gateway.cache_routing import CacheRouting
+from servegate.gateway.connections import CONNECTIONS, ConnectionGuard, connection_middleware
 from servegate.gateway.disagg import Disaggregator
 from servegate.gateway.errors import (
     BadRequest,
@@ -37,6 +38,7 @@ from servegate.gateway.errors import (
     ModelNotFound,
     NoEndpoints,
     NotFound,
+    RequestTimeout,
     Unauthorized,
     render,
 )
@@ -216,13 +218,19 @@ def _authorise(gw: Gateway, request: web.Request) -> None:
 
 
 async def _read_body(gw: Gateway, request: web.Request) -> bytes:
-    limit = gw.config.gateway.max_body_bytes
+    settings = gw.config.gateway
+    limit = settings.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
     try:
-        return await request.read()
+        async with asyncio.timeout(settings.body_timeout_s):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes") from exc
+    except TimeoutError as exc:
+        raise RequestTimeout(
+            f"the request body did not arrive within {settings.body_timeout_s:g} s"
+        ) from exc
 
 
 def route_request(gw: Gateway, llm: LLMRequest) -> PoolRuntime:
@@ -321,6 +329,8 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         record.error = exc.message
         gw.metrics.request_errors.labels(*model_labels, str(exc.status)).inc()
         response = render(exc, {"X-Request-ID": rid})
+        if isinstance(exc, RequestTimeout):
+            await _answer_and_close(request, response)
         return response
     except asyncio.CancelledError:
         record.status = 499
@@ -348,6 +358,15 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
                 series.output_tokens.observe(record.completion_tokens)
         gw.metrics.response(record.status).inc()
         gw.access_log.write(record)
+
+
+async def _answer_and_close(request: web.Request, response: web.StreamResponse) -> None:
+    """Sends `response` now and closes the connection, without waiting for (lingering on)
+    a body the client is still trickling."""
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()
 
 
 def _lower_headers(request: web.Request) -> dict[str, str]:
@@ -513,9 +532,11 @@ async def _stop_queueing(app: web.Application) -> None:
 
 def create_app(gw: Gateway) -> web.Application:
     app = web.Application(
-        client_max_size=gw.config.gateway.max_body_bytes, middlewares=[error_middleware]
+        client_max_size=gw.config.gateway.max_body_bytes,
+        middlewares=[connection_middleware, error_middleware],
     )
     app[GATEWAY] = gw
+    app[CONNECTIONS] = ConnectionGuard(gw.config.gateway)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/embeddings", embeddings)

@@ -6,6 +6,7 @@
     ├── Forbidden             403 permission_error
     ├── ModelNotFound         404 invalid_request_error / model_not_found
     ├── NotFound              404 (unknown route)
+    ├── RequestTimeout        408 invalid_request_error (the body came too slowly)
     ├── BodyTooLarge          413 invalid_request_error
     ├── Dropped               429/503 with x-llm-d-request-dropped-reason
     │   ├── Saturated         429 rejected-saturated
@@ -74,6 +75,12 @@ class NotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
     code = "not_found"
+
+
+class RequestTimeout(GatewayError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class BodyTooLarge(GatewayError):

@@ -28,7 +28,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("servegate.reload")
 
-RESTART_ONLY = ("host", "port", "probe_port", "max_header_bytes", "max_line_bytes", "max_headers")
+RESTART_ONLY = (
+    "host",
+    "port",
+    "probe_port",
+    "max_header_bytes",
+    "max_line_bytes",
+    "max_headers",
+    "idle_timeout_s",
+    "header_timeout_s",
+    "max_connections",
+    "max_connections_per_client",
+)
 
 
 @dataclass(frozen=True, slots=True)
