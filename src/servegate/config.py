@@ -81,6 +81,10 @@ class GatewaySettings(_Strict):
     max_connections: int | None = Field(None, ge=1)
     """Open client connections at most; None = three quarters of the file-descriptor limit.
     A newcomer over the cap displaces the longest-idle connection, else gets 503."""
+    max_buffered_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    """A non-streamed upstream answer up to this size is read whole (for its usage); a
+    longer one is relayed as it comes. Answers that must be translated whole (Triton) and
+    the P/D prefill leg's answer get 502 (fallback) past it."""
     max_connections_per_client: int | None = Field(None, ge=1)
     """Open connections per client address; None = no limit besides `max_connections`."""
 

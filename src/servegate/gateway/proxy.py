@@ -80,6 +80,13 @@ Route = Callable[[EndpointState, Mapping[str, str]], tuple[str, Mapping[str, str
 """Per attempt: the base URL and headers for one target (data-parallel ranks behind a sidecar)."""
 RESPONSE_DROP = HOP_BY_HOP | {"date", "server"}
 RETRY_STATUSES = frozenset({502, 503})
+
+
+def refused_status(status: int) -> bool:
+    """Informational (101 switching protocols…) and redirect answers are never relayed."""
+    return status < 200 or 300 <= status < 400
+
+
 USAGE_MARK = b'"usage"'
 TAIL_BYTES = 8192
 
@@ -188,7 +195,7 @@ class Proxy:
         try:
             async with asyncio.timeout(self._settings.first_byte_timeout_s):
                 return await self._session.post(
-                    url, data=body, headers=headers, timeout=self._timeout
+                    url, data=body, headers=headers, timeout=self._timeout, allow_redirects=False
                 )
         except TimeoutError as exc:
             self._failed(state, "timeout")
@@ -264,6 +271,15 @@ class Proxy:
                     continue
                 complete = False
                 try:
+                    if refused_status(upstream.status):
+                        # Never followed (the prompt would be re-POSTed wherever the replica
+                        # points) nor relayed (its Location names addresses behind the gateway).
+                        self._failed(state, "redirect")
+                        last_error = UpstreamFailed(
+                            f"endpoint {state.address} answered {upstream.status}; the gateway "
+                            "follows no redirects or protocol switches"
+                        )
+                        continue
                     if upstream.status >= 500:
                         self._failed(state, str(upstream.status))
                     elif self.outlier is not None:
@@ -309,8 +325,10 @@ class Proxy:
         record.status = upstream.status
         if upstream.content_type == "text/event-stream":
             return await self._relay_stream(http_request, upstream, state, record, started, headers)
-        data = await self._read(upstream, state)
+        data, complete = await self._read_some(upstream, state, self._settings.max_buffered_bytes)
         record.ttft_ms = (time.monotonic() - started) * 1000.0
+        if not complete:
+            return await self._relay_large(http_request, upstream, state, record, headers, data)
         if USAGE_MARK in data:
             try:
                 self._note_usage(record, usage_from(orjson.loads(data)))
@@ -376,15 +394,72 @@ class Proxy:
             _client_left(record)
             return None
 
-    async def _read(self, upstream: aiohttp.ClientResponse, state: EndpointState) -> bytes:
+    async def _read_some(
+        self, upstream: aiohttp.ClientResponse, state: EndpointState, limit: int
+    ) -> tuple[bytes, bool]:
+        """The body up to just over `limit` bytes, and whether that was all of it."""
+        chunks: list[bytes] = []
+        size = 0
+        content = upstream.content
         try:
-            return await upstream.read()
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    return b"".join(chunks), True
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > limit:
+                    return b"".join(chunks), False
         except (aiohttp.ClientError, OSError) as exc:
             self._failed(state, "body")
             raise UpstreamFailed(f"endpoint {state.address} broke off its answer") from exc
         except TimeoutError as exc:
             self._failed(state, "timeout")
             raise UpstreamTimeout(f"endpoint {state.address} did not finish in time") from exc
+
+    async def _relay_large(
+        self,
+        http_request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        state: EndpointState,
+        record: AccessRecord,
+        headers: CIMultiDict[str],
+        head: bytes,
+    ) -> web.StreamResponse:
+        """A body over `max_buffered_bytes`: what was read, then the rest as it comes, so the
+        gateway never holds more than one chunk of it (its usage is not read)."""
+        length = upstream.content_length
+        response = web.StreamResponse(status=upstream.status, headers=headers)
+        if length is not None:
+            response.content_length = length
+        await response.prepare(http_request)
+        try:
+            await response.write(head)
+            async for data in upstream.content.iter_any():
+                await response.write(data)
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as exc:
+            # Headers are gone: the only honest signal left is a cut connection.
+            self._midstream(state, record, exc)
+            if http_request.transport is not None:
+                http_request.transport.abort()
+            return response
+        except ConnectionResetError:
+            upstream.close()
+            _client_left(record)
+            return response
+        await _end(response, record, b"")
+        return response
+
+    async def _read(self, upstream: aiohttp.ClientResponse, state: EndpointState) -> bytes:
+        limit = self._settings.max_buffered_bytes
+        data, complete = await self._read_some(upstream, state, limit)
+        if not complete:
+            self._failed(state, "too_large")
+            raise UpstreamFailed(
+                f"endpoint {state.address} answered with more than {limit} bytes, "
+                "which this answer would have to hold in memory"
+            )
+        return data
 
     async def _relay_triton(
         self,
