@@ -34,6 +34,7 @@ from aiohttp import web
 
 from servegate.config import DisaggregationSettings, GatewaySettings
 from servegate.datalayer.scraper import FetchError, read_limited
+from servegate.gateway.errors import describe
 from servegate.gateway.logging import AccessRecord
 from servegate.gateway.metrics import GatewayMetrics
 from servegate.gateway.proxy import Proxy, Route
@@ -236,7 +237,9 @@ class Disaggregator:
             raise PrefillFailed("bad-response", f"prefill {state.address}: {exc}") from exc
         except (aiohttp.ClientError, OSError) as exc:
             self._failed(state, "connect")
-            raise PrefillFailed("connect", f"prefill {state.address} failed: {exc!r}") from exc
+            raise PrefillFailed(
+                "connect", f"prefill {state.address} failed: {describe(exc)}"
+            ) from exc
         finally:
             self._pool.release(state, tokens)
             record.prefill_ms = (time.monotonic() - t0) * 1000.0

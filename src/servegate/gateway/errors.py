@@ -130,6 +130,21 @@ class UpstreamTimeout(GatewayError):
     code = "upstream_timeout"
 
 
+DESCRIBE_CHARS = 200
+
+
+def describe(exc: BaseException) -> str:
+    """A foreign exception for an error message or a log line: its type and message, never
+    its repr (aiohttp's `ClientResponseError` repr carries the request's headers, and with
+    them the client's `Authorization` and `Cookie`), cut to `DESCRIBE_CHARS`."""
+    message = getattr(exc, "message", None)
+    text = message if isinstance(message, str) else str(exc)
+    text = " ".join(text.split())
+    if len(text) > DESCRIBE_CHARS:
+        text = text[:DESCRIBE_CHARS] + "…"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def error_body(message: str, type_: str, code: str | int | None, param: str | None) -> bytes:
     return orjson.dumps(
         {"error": {"message": message, "type": type_, "param": param, "code": code}}

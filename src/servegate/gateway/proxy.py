@@ -33,6 +33,7 @@ from servegate.gateway.errors import (
     GatewayError,
     UpstreamFailed,
     UpstreamTimeout,
+    describe,
     sse_error_event,
 )
 from servegate.gateway.logging import AccessRecord
@@ -202,7 +203,7 @@ class Proxy:
             raise UpstreamTimeout(f"endpoint {state.address} did not answer in time") from exc
         except (aiohttp.ClientError, OSError) as exc:
             self._failed(state, "connect")
-            raise UpstreamFailed(f"endpoint {state.address} failed: {exc!r}") from exc
+            raise UpstreamFailed(f"endpoint {state.address} failed: {describe(exc)}") from exc
 
     def _failed(self, state: EndpointState, kind: str) -> None:
         self._metrics.upstream_errors.labels(state.address, kind).inc()
@@ -533,7 +534,7 @@ class Proxy:
 
     def _midstream(self, state: EndpointState, record: AccessRecord, exc: BaseException) -> None:
         self._failed(state, "midstream")
-        record.error = f"midstream: {exc!r}"
+        record.error = f"midstream: {describe(exc)}"
 
     @staticmethod
     def _note_usage(record: AccessRecord, usage: Usage | None) -> None:
