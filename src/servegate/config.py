@@ -71,6 +71,20 @@ class GatewaySettings(_Strict):
     """On SIGTERM: stop accepting, then let in-flight requests finish for up to this long."""
     probe_port: int | None = Field(None, ge=0, le=65535)
     """Serve /health and /ready also on this port, from a thread of their own (None = off)."""
+
+    @field_validator("api_keys", "admin_keys")
+    @classmethod
+    def _no_blank_keys(cls, keys: tuple[str, ...]) -> tuple[str, ...]:
+        for key in keys:
+            if not key.strip():
+                raise ValueError(
+                    "an empty or blank key would let anyone in (a request with no key "
+                    "matches it); remove it, or leave the list empty to turn authentication off"
+                )
+            if key != key.strip():
+                raise ValueError("a key must not start or end with whitespace; strip it")
+        return keys
+
     idle_timeout_s: PositiveFloat = 60.0
     """Close a client connection that sends nothing for this long (keep-alive idle, and a
     connection that never sends a request)."""
