@@ -40,6 +40,7 @@ from servegate.gateway.errors import (
     NotFound,
     RequestTimeout,
     Unauthorized,
+    describe,
     render,
 )
 from servegate.gateway.logging import AccessLog, AccessRecord
@@ -227,6 +228,9 @@ async def _read_body(gw: Gateway, request: web.Request) -> bytes:
             return await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes") from exc
+    except web.RequestPayloadError as exc:
+        # A body whose Content-Encoding or chunked framing does not decode.
+        raise BadRequest(f"the request body cannot be decoded: {describe(exc)}") from exc
     except TimeoutError as exc:
         raise RequestTimeout(
             f"the request body did not arrive within {settings.body_timeout_s:g} s"

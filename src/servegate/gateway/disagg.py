@@ -37,7 +37,7 @@ from servegate.datalayer.scraper import FetchError, read_limited
 from servegate.gateway.errors import describe
 from servegate.gateway.logging import AccessRecord
 from servegate.gateway.metrics import GatewayMetrics
-from servegate.gateway.proxy import Proxy, Route
+from servegate.gateway.proxy import NO_AUTO_HEADERS, Proxy, Route
 from servegate.gateway.triton import TRITON_ENGINE
 from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
@@ -223,6 +223,7 @@ class Disaggregator:
                     headers=headers,
                     timeout=self._client_timeout,
                     allow_redirects=False,
+                    skip_auto_headers=NO_AUTO_HEADERS,
                 ) as response,
             ):
                 record.prefill_status = response.status

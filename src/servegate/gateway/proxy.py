@@ -79,6 +79,10 @@ ROUTING_HEADERS = frozenset(
 """Headers only the gateway may set: a client must not choose an address itself."""
 Route = Callable[[EndpointState, Mapping[str, str]], tuple[str, Mapping[str, str]]]
 """Per attempt: the base URL and headers for one target (data-parallel ranks behind a sidecar)."""
+REQUEST_DROP = frozenset({"content-encoding"})
+"""The gateway reads (and so decompresses) every request body; it forwards the plain bytes."""
+NO_AUTO_HEADERS = ("Accept-Encoding", "User-Agent")
+"""aiohttp adds these when absent; the replica sees only what the client sent."""
 RESPONSE_DROP = HOP_BY_HOP | {"date", "server"}
 RETRY_STATUSES = frozenset({502, 503})
 
@@ -134,7 +138,7 @@ def forward_headers(
     out = {}
     for name, value in incoming.items():
         lower = name.lower()
-        if lower in HOP_BY_HOP or lower in ROUTING_HEADERS:
+        if lower in HOP_BY_HOP or lower in ROUTING_HEADERS or lower in REQUEST_DROP:
             continue
         if strip_authorization and lower == "authorization":
             continue
@@ -196,7 +200,12 @@ class Proxy:
         try:
             async with asyncio.timeout(self._settings.first_byte_timeout_s):
                 return await self._session.post(
-                    url, data=body, headers=headers, timeout=self._timeout, allow_redirects=False
+                    url,
+                    data=body,
+                    headers=headers,
+                    timeout=self._timeout,
+                    allow_redirects=False,
+                    skip_auto_headers=NO_AUTO_HEADERS,
                 )
         except TimeoutError as exc:
             self._failed(state, "timeout")
