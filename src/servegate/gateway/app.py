@@ -309,7 +309,10 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
                 extra["x-servegate-scores"] = orjson.dumps(result_as_dict(result)).decode()
         assert rt.proxy is not None
         upstream_headers = forward_headers(
-            request.headers, rid, strip_authorization=bool(gw.config.gateway.api_keys)
+            request.headers,
+            rid,
+            strip_authorization=bool(gw.config.gateway.api_keys),
+            client=request.remote,
         )
         if llm.target_model != llm.model:
             llm.body["model"] = llm.target_model
@@ -485,8 +488,8 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
     gw = app[GATEWAY]
     settings = gw.config.gateway
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
-    # No cookie jar: a replica's Set-Cookie goes to the client that caused it, and is
-    # never replayed on other clients' requests.
+    # No cookie jar: a replica's Set-Cookie is never replayed on other clients' requests
+    # (nor relayed to the client: proxy.UPSTREAM_DROP).
     session = aiohttp.ClientSession(
         connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
     )

@@ -84,6 +84,31 @@ REQUEST_DROP = frozenset({"content-encoding"})
 NO_AUTO_HEADERS = ("Accept-Encoding", "User-Agent")
 """aiohttp adds these when absent; the replica sees only what the client sent."""
 RESPONSE_DROP = HOP_BY_HOP | {"date", "server"}
+FORWARDING_HEADERS = frozenset({"x-forwarded-for", "forwarded"})
+"""Rebuilt by the gateway with the client's address appended."""
+UPSTREAM_DROP = frozenset(
+    {
+        "set-cookie",
+        "set-cookie2",
+        "location",
+        "content-location",
+        "refresh",
+        "strict-transport-security",
+        "public-key-pins",
+        "alt-svc",
+        "x-session-token",
+        "x-gateway-destination-endpoint",
+        "x-gateway-destination-endpoint-served",
+        "x-llm-d-request-dropped-reason",
+        "x-llm-d-flow-queue-duration-ms",
+        "x-servegate-scores",
+        "x-servegate-served-model",
+    }
+)
+"""Replica response headers never relayed: cookies, redirects and policies (HSTS, CORS
+`access-control-*`, Alt-Svc) for the gateway's origin are the gateway's to set, not a
+replica's; nor the headers the gateway itself sets (routing, flow control, the session
+token), which a replica could otherwise forge."""
 RETRY_STATUSES = frozenset({502, 503})
 
 
@@ -132,26 +157,55 @@ def usage_from_sse_tail(tail: bytes) -> Usage | None:
     return None
 
 
+def connection_tokens(headers: Mapping[str, str]) -> frozenset[str]:
+    """The header names a `Connection` header lists: hop-by-hop too (RFC 9110 §7.6.1)."""
+    value = headers.get("Connection") or headers.get("connection") or ""
+    return frozenset(t.strip().lower() for t in value.split(",") if t.strip())
+
+
 def forward_headers(
-    incoming: Mapping[str, str], request_id: str, strip_authorization: bool
+    incoming: Mapping[str, str],
+    request_id: str,
+    strip_authorization: bool,
+    client: str | None = None,
 ) -> dict[str, str]:
+    """The request headers for the replica. `client`: the peer address, appended to
+    `X-Forwarded-For` (and to `Forwarded` when the client sent one); the entries before it
+    are the client's own word."""
     out = {}
+    named = connection_tokens(incoming)
     for name, value in incoming.items():
         lower = name.lower()
         if lower in HOP_BY_HOP or lower in ROUTING_HEADERS or lower in REQUEST_DROP:
             continue
+        if lower in named or lower in FORWARDING_HEADERS:
+            continue
         if strip_authorization and lower == "authorization":
             continue
         out[name] = value
+    if client:
+        chain = [v for k, v in incoming.items() if k.lower() == "x-forwarded-for"]
+        out["X-Forwarded-For"] = ", ".join([*chain, client])
+        forwarded = [v for k, v in incoming.items() if k.lower() == "forwarded"]
+        if forwarded:
+            node = f'"[{client}]"' if ":" in client else client
+            out["Forwarded"] = ", ".join([*forwarded, f"for={node}"])
     out["X-Request-ID"] = request_id
     return out
 
 
 def response_headers(upstream: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    """The replica's headers the client sees: not hop-by-hop, and none that speak for the
+    gateway's origin or that only the gateway may set (see `UPSTREAM_DROP`)."""
     out: CIMultiDict[str] = CIMultiDict()
+    named = connection_tokens(upstream)
     for name, value in upstream.items():
-        if name.lower() not in RESPONSE_DROP:
-            out.add(name, value)
+        lower = name.lower()
+        if lower in RESPONSE_DROP or lower in UPSTREAM_DROP or lower in named:
+            continue
+        if lower.startswith("access-control-"):
+            continue
+        out.add(name, value)
     return out
 
 
