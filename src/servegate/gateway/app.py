@@ -40,6 +40,7 @@ from servegate.gateway.errors import (
     NotFound,
     RequestTimeout,
     Unauthorized,
+    clip,
     describe,
     render,
 )
@@ -256,9 +257,10 @@ def route_request(gw: Gateway, llm: LLMRequest) -> PoolRuntime:
             return runtime
     if routed.rewritten:
         raise ModelNotFound(
-            f"The model `{llm.model}` is routed to `{routed.model}`, which no pool serves."
+            f"The model `{clip(llm.model)}` is routed to `{clip(routed.model)}`, "
+            "which no pool serves."
         )
-    raise ModelNotFound(f"The model `{llm.model}` does not exist.")
+    raise ModelNotFound(f"The model `{clip(llm.model)}` does not exist.")
 
 
 async def _inference(request: web.Request, kind: RequestKind) -> web.StreamResponse:
@@ -459,9 +461,9 @@ async def error_middleware(
     try:
         return await handler(request)
     except web.HTTPNotFound:
-        return render(NotFound(f"no route for {request.method} {request.path}"))
+        return render(NotFound(f"no route for {clip(request.method)} {clip(request.path)}"))
     except web.HTTPMethodNotAllowed:
-        exc = BadRequest(f"method {request.method} is not allowed on {request.path}")
+        exc = BadRequest(f"method {clip(request.method)} is not allowed on {clip(request.path)}")
         exc.status = 405
         return render(exc)
     except web.HTTPRequestEntityTooLarge:

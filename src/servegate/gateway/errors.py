@@ -131,6 +131,15 @@ class UpstreamTimeout(GatewayError):
 
 
 DESCRIBE_CHARS = 200
+ECHO_CHARS = 256
+"""The most of a client-supplied string (a model name, a path) an error or log line repeats."""
+
+
+def clip(text: str, limit: int = ECHO_CHARS) -> str:
+    """`text`, or its first `limit` characters and how many more there were."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text) - limit} more characters)"
 
 
 def describe(exc: BaseException) -> str:

@@ -16,6 +16,10 @@ from typing import IO, Any
 
 import orjson
 
+LOG_FIELD_CHARS = 256
+"""Client-supplied strings (model names, error echoes) are cut to this in the access log."""
+CLIPPED_FIELDS = ("model", "target_model", "error", "prefill_error", "path")
+
 
 @dataclass(slots=True)
 class AccessRecord:
@@ -57,6 +61,10 @@ class AccessLog:
     def write(self, record: AccessRecord) -> None:
         if not self.enabled:
             return
+        for name in CLIPPED_FIELDS:
+            value = getattr(record, name)
+            if value is not None and len(value) > LOG_FIELD_CHARS:
+                setattr(record, name, f"{value[:LOG_FIELD_CHARS]}… ({len(value)} characters)")
         try:
             self._stream.write(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
         except (OSError, ValueError):
