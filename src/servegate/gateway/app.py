@@ -8,6 +8,7 @@ forward bytes with fallbacks → relay → account, log, count.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
 import logging
 import os
@@ -35,6 +36,7 @@ from servegate.gateway.errors import (
     BadRequest,
     BodyTooLarge,
     GatewayError,
+    InternalError,
     ModelNotFound,
     NoEndpoints,
     NotFound,
@@ -42,6 +44,7 @@ from servegate.gateway.errors import (
     Unauthorized,
     clip,
     describe,
+    for_status,
     render,
 )
 from servegate.gateway.logging import AccessLog, AccessRecord
@@ -70,6 +73,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("servegate.gateway")
 
+PREPARED: contextvars.ContextVar[bool] = contextvars.ContextVar("prepared", default=False)
+"""True once the current request's response headers are on their way (`on_response_prepare`;
+reset per request by `error_middleware`: a connection's requests share one task)."""
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
 SERVED_MODEL_HEADER = "x-servegate-served-model"
 """On responses whose model was rewritten: the model the replica was asked for."""
@@ -345,6 +351,16 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         record.status = 499
         record.error = "client disconnected"
         raise
+    except Exception as exc:
+        record.error = describe(exc)
+        if PREPARED.get():
+            raise  # the answer has begun: only a cut connection can say it failed
+        log.exception("unexpected error on request %s", rid)
+        error = InternalError(f"the gateway failed: {describe(exc)}")
+        record.status = error.status
+        gw.metrics.request_errors.labels(*model_labels, str(error.status)).inc()
+        response = render(error, {"X-Request-ID": rid})
+        return response
     finally:
         if rt is not None:
             if admitted:
@@ -458,6 +474,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
+    prepared = PREPARED.set(False)
     try:
         return await handler(request)
     except web.HTTPNotFound:
@@ -468,6 +485,21 @@ async def error_middleware(
         return render(exc)
     except web.HTTPRequestEntityTooLarge:
         return render(BodyTooLarge("request body too large"))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return render(for_status(exc.status, exc.text or exc.reason))
+    except Exception as exc:
+        if PREPARED.get():
+            raise  # the answer has begun: only a cut connection can say it failed
+        log.exception("unexpected error on %s %s", request.method, clip(request.path))
+        return render(InternalError(f"the gateway failed: {describe(exc)}"))
+    finally:
+        PREPARED.reset(prepared)
+
+
+async def _mark_prepared(request: web.Request, response: web.StreamResponse) -> None:
+    PREPARED.set(True)
 
 
 # -- lifecycle ----------------------------------------------------------------------
@@ -556,6 +588,7 @@ def create_app(gw: Gateway) -> web.Application:
     app.router.add_get("/openapi.json", serve_openapi)
     add_admin_routes(app, GATEWAY)
     add_scaleout_routes(app, GATEWAY)
+    app.on_response_prepare.append(_mark_prepared)
     app.on_shutdown.append(_stop_queueing)
     app.cleanup_ctx.append(_components)
     return app

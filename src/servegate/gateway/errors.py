@@ -13,7 +13,11 @@
     │   ├── TtlExpired        429 rejected-ttl-expired
     │   └── NoEndpoints       503 rejected-no-endpoints
     ├── UpstreamFailed        502 upstream connect/protocol failure
-    └── UpstreamTimeout       504
+    ├── UpstreamTimeout       504
+    └── InternalError         500 server_error (an exception nothing else expected)
+
+`for_status` builds one for any status (aiohttp's own HTTP exceptions, a replica's error
+that is not JSON), with the standard `type` for it (`TYPE_BY_STATUS`).
 
 Foreign exceptions (aiohttp, asyncio timeouts) are translated in `proxy.py` with
 `raise … from exc`; `render` is the one place that writes the JSON body.
@@ -128,6 +132,41 @@ class UpstreamTimeout(GatewayError):
     status = 504
     type = "timeout_error"
     code = "upstream_timeout"
+
+
+class InternalError(GatewayError):
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+
+TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    502: "bad_gateway_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+def for_status(status: int, message: str, code: str | None = None) -> GatewayError:
+    """An error with `status` and the standard OpenAI `type` for it."""
+    error = GatewayError(message)
+    error.status = status
+    error.type = TYPE_BY_STATUS.get(
+        status, "invalid_request_error" if status < 500 else "server_error"
+    )
+    error.code = code
+    return error
 
 
 DESCRIBE_CHARS = 200

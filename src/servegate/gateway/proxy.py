@@ -33,7 +33,10 @@ from servegate.gateway.errors import (
     GatewayError,
     UpstreamFailed,
     UpstreamTimeout,
+    clip,
     describe,
+    for_status,
+    render,
     sse_error_event,
 )
 from servegate.gateway.logging import AccessRecord
@@ -393,6 +396,8 @@ class Proxy:
         record.ttft_ms = (time.monotonic() - started) * 1000.0
         if not complete:
             return await self._relay_large(http_request, upstream, state, record, headers, data)
+        if upstream.status >= 400 and not _openai_like_error(upstream, data):
+            return _wrapped_error(upstream, state, record, headers, data)
         if USAGE_MARK in data:
             try:
                 self._note_usage(record, usage_from(orjson.loads(data)))
@@ -654,6 +659,38 @@ async def _end(response: web.StreamResponse, record: AccessRecord, last: bytes) 
 def _client_left(record: AccessRecord) -> None:
     record.status = 499
     record.error = "client disconnected"
+
+
+def _openai_like_error(upstream: aiohttp.ClientResponse, data: bytes) -> bool:
+    """A JSON object (vLLM's `{"error": …}` or its flat `{"object": "error", …}`), or a
+    compressed body the gateway cannot look into: relayed as it is."""
+    encoding = upstream.headers.get("Content-Encoding", "identity").lower()
+    if encoding not in ("", "identity"):
+        return True
+    try:
+        return isinstance(orjson.loads(data), dict)
+    except orjson.JSONDecodeError:
+        return False
+
+
+def _wrapped_error(
+    upstream: aiohttp.ClientResponse,
+    state: EndpointState,
+    record: AccessRecord,
+    headers: CIMultiDict[str],
+    data: bytes,
+) -> web.Response:
+    """A replica's error that is not JSON (a `text/plain` 500, an HTML page from a proxy in
+    front of it) as an OpenAI error body with the same status."""
+    text = " ".join(data.decode("utf-8", errors="replace").split())
+    message = f"endpoint {state.address} answered {upstream.status}"
+    if text:
+        message += f": {clip(text)}"
+    error = for_status(upstream.status, message, "upstream_error")
+    record.error = message
+    for name in ("Content-Type", "Content-Encoding", "Content-Length"):
+        headers.popall(name, None)
+    return render(error, headers)
 
 
 def _identity_encoding(headers: Mapping[str, str]) -> dict[str, str]:
