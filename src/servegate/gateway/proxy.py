@@ -1,8 +1,10 @@
 """Forwarding: send the original bytes to the chosen endpoint, relay the answer as it comes.
 
 Retries happen only before the first byte reaches the client: a connect error, no
-response headers within `first_byte_timeout_s`, or a 502/503 from one endpoint
-moves the request to the next fallback, after a
+response headers within `first_byte_timeout_s`, a 502/503, a redirect, or a stream
+that breaks or ends before its first `data:` line (vLLM sends a stream's headers at
+once, so a replica dying mid-prefill fails there) moves the request to the next
+fallback, after a
 jittered backoff and only while the retry budget lasts (`retry.py`). Once a
 stream has started, a failure ends it with an OpenAI-style error event and is
 counted (`servegate_upstream_errors{kind="midstream"}`). Every attempt's result
@@ -121,6 +123,9 @@ def refused_status(status: int) -> bool:
 
 
 USAGE_MARK = b'"usage"'
+DATA_MARK = b"data:"
+FIRST_CONTENT_LIMIT = 64 * 1024
+"""Past this much of a stream without a `data:` line, relaying starts anyway."""
 TAIL_BYTES = 8192
 
 
@@ -357,6 +362,15 @@ class Proxy:
                             f"endpoint {state.address} answered {upstream.status}"
                         )
                         continue
+                    first = b""
+                    if triton is None and _opens_a_stream(upstream):
+                        try:
+                            first = await self._first_content(upstream, state)
+                        except GatewayError as exc:
+                            last_error = exc
+                            if not is_last:
+                                self._metrics.retries.labels("before_content").inc()
+                            continue
                     if triton is not None:
                         response = await self._relay_triton(
                             http_request, upstream, state, record, started,
@@ -364,8 +378,9 @@ class Proxy:
                         )  # fmt: skip
                     else:
                         response = await self._relay(
-                            http_request, upstream, state, record, started, extra_response_headers
-                        )
+                            http_request, upstream, state, record, started,
+                            extra_response_headers, first,
+                        )  # fmt: skip
                     complete = True
                     return response
                 finally:
@@ -385,13 +400,16 @@ class Proxy:
         record: AccessRecord,
         started: float,
         extra_headers: Mapping[str, str],
+        first: bytes = b"",
     ) -> web.StreamResponse:
         headers = response_headers(upstream.headers)
         headers["x-gateway-destination-endpoint"] = state.address
         headers.update(extra_headers)
         record.status = upstream.status
         if upstream.content_type == "text/event-stream":
-            return await self._relay_stream(http_request, upstream, state, record, started, headers)
+            return await self._relay_stream(
+                http_request, upstream, state, record, started, headers, first
+            )
         data, complete = await self._read_some(upstream, state, self._settings.max_buffered_bytes)
         record.ttft_ms = (time.monotonic() - started) * 1000.0
         if not complete:
@@ -413,12 +431,13 @@ class Proxy:
         record: AccessRecord,
         started: float,
         headers: CIMultiDict[str],
+        first: bytes = b"",
     ) -> web.StreamResponse:
         record.stream = True
         response = web.StreamResponse(status=upstream.status, headers=headers)
         await response.prepare(http_request)
         stream = _Passthrough()
-        last = await self._pump(upstream, state, record, started, response, stream)
+        last = await self._pump(upstream, state, record, started, response, stream, first)
         if last is None:
             return response
         if USAGE_MARK in stream.tail:
@@ -434,12 +453,19 @@ class Proxy:
         started: float,
         response: web.StreamResponse,
         stream: _Reframer,
+        first: bytes = b"",
     ) -> bytes | None:
-        """Relays the upstream body through `stream`; None when the client left, else the
-        bytes left to send with the end of the response (the upstream's last read, when it
-        ended the body, so that both go out in one write)."""
+        """Relays the upstream body through `stream` (`first`: what was already read of it);
+        None when the client left, else the bytes left to send with the end of the response
+        (the upstream's last read, when it ended the body, so that both go out in one write)."""
         content = upstream.content
         try:
+            if first:
+                out = stream.feed(first)
+                record.ttft_ms = (time.monotonic() - started) * 1000.0
+                if content.at_eof():
+                    return out + stream.finish()
+                await response.write(out)
             async for data in content.iter_any():
                 out = stream.feed(data)
                 if out:
@@ -462,6 +488,35 @@ class Proxy:
             upstream.close()
             _client_left(record)
             return None
+
+    async def _first_content(self, upstream: aiohttp.ClientResponse, state: EndpointState) -> bytes:
+        """A stream's body up to its first `data:` line, before anything reaches the client:
+        vLLM sends a stream's headers at once, so a replica that dies while prefilling fails
+        here, where the request can still move to a fallback without the client seeing a
+        byte twice. EOF with nothing, a cut connection or `first_byte_timeout_s` raise."""
+        buffer = bytearray()
+        content = upstream.content
+        try:
+            async with asyncio.timeout(self._settings.first_byte_timeout_s):
+                while DATA_MARK not in buffer and len(buffer) < FIRST_CONTENT_LIMIT:
+                    chunk = await content.readany()
+                    if not chunk:
+                        break
+                    buffer += chunk
+        except TimeoutError as exc:
+            self._failed(state, "timeout")
+            raise UpstreamTimeout(
+                f"endpoint {state.address} sent no stream content in time"
+            ) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            self._failed(state, "before_content")
+            raise UpstreamFailed(
+                f"endpoint {state.address} failed before its stream began: {describe(exc)}"
+            ) from exc
+        if not buffer:
+            self._failed(state, "before_content")
+            raise UpstreamFailed(f"endpoint {state.address} ended its stream empty")
+        return bytes(buffer)
 
     async def _read_some(
         self, upstream: aiohttp.ClientResponse, state: EndpointState, limit: int
@@ -659,6 +714,10 @@ async def _end(response: web.StreamResponse, record: AccessRecord, last: bytes) 
 def _client_left(record: AccessRecord) -> None:
     record.status = 499
     record.error = "client disconnected"
+
+
+def _opens_a_stream(upstream: aiohttp.ClientResponse) -> bool:
+    return upstream.status < 300 and upstream.content_type == "text/event-stream"
 
 
 def _openai_like_error(upstream: aiohttp.ClientResponse, data: bytes) -> bool:
