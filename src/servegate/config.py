@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
     field_validator,
     model_validator,
@@ -101,6 +102,39 @@ class GatewaySettings(_Strict):
     the P/D prefill leg's answer get 502 (fallback) past it."""
     max_connections_per_client: int | None = Field(None, ge=1)
     """Open connections per client address; None = no limit besides `max_connections`."""
+
+
+class TenantSettings(_Strict):
+    """A tenant: the API keys that are its, and what its requests may claim (docs/configuration.md)."""
+
+    name: str = Field(min_length=1, max_length=128)
+    keys: tuple[SecretStr, ...] = ()
+    """Inline keys (prefer `key_files` or `key_env`: a config file is often world-readable)."""
+    key_files: tuple[str, ...] = ()
+    """Files holding keys, one per line (`#` comments and blank lines skipped); relative to
+    the config file's folder. A Kubernetes Secret mounted as files fits here."""
+    key_env: tuple[str, ...] = ()
+    """Environment variables each holding one key."""
+    fairness_id: str | None = Field(None, min_length=1, max_length=256)
+    """The flow its requests are queued in, whatever header they send; None = `name`."""
+    max_priority: int | None = None
+    """The highest priority its requests may claim (through the objective they name); a
+    higher one is lowered to this. None = any."""
+    requests_per_minute: int | None = Field(None, gt=0)
+    tokens_per_minute: int | None = Field(None, gt=0)
+    """Prompt plus `max_tokens` (estimated at arrival, settled with the reported usage)."""
+
+    @model_validator(mode="after")
+    def _has_keys(self) -> TenantSettings:
+        if not (self.keys or self.key_files or self.key_env):
+            raise ValueError(f"tenant {self.name!r} has no keys: set key_files, key_env or keys")
+        for key in self.keys:
+            secret = key.get_secret_value()
+            if not secret.strip() or secret != secret.strip():
+                raise ValueError(
+                    f"tenant {self.name!r}: a blank or padded key would let anyone in; remove it"
+                )
+        return self
 
 
 class RetrySettings(_Strict):
@@ -396,8 +430,19 @@ class ServegateConfig(_Strict):
     model_rewrites: tuple[ModelRewrite, ...] = ()
     """Public model names mapped to weighted targets (InferenceModelRewrite)."""
     reload: ReloadSettings = ReloadSettings()
+    tenants: tuple[TenantSettings, ...] = ()
+    """API keys mapped to tenants (fairness id, priority ceiling, rate limits); their keys
+    are accepted alongside `gateway.api_keys`."""
     scaleout: ScaleOutSettings = ScaleOutSettings()
     """Several worker processes and replicas sharing routing state (docs/scaleout.md)."""
+
+    @model_validator(mode="after")
+    def _tenant_names(self) -> ServegateConfig:
+        names = [t.name for t in self.tenants]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"tenants: names must be unique; {twice} used more than once")
+        return self
 
     @model_validator(mode="after")
     def _pools(self) -> ServegateConfig:

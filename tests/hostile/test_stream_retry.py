@@ -64,8 +64,9 @@ async def test_a_stream_that_fails_before_content_moves_to_a_fallback(
                 + b"data: [DONE]\n\n"
             )
             assert bodies == [good_stream, good_stream]
-            assert len(bad.calls) == 1
-            assert sorted(line["retries"] for line in gw.access_lines()) == [0, 1]
+            # round robin: at least one request started on the bad replica, and each that
+            # did was retried once
+            assert sum(line["retries"] for line in gw.access_lines()) == len(bad.calls) >= 1
     finally:
         await bad.stop()
         await good.stop()
@@ -84,11 +85,14 @@ async def test_a_stream_that_fails_after_content_is_not_retried(
                 async with http.post(gw.url + "/v1/completions", json=CHAT) as resp:
                     assert resp.status == 200
                     bodies.append(await resp.read())
-            broken = next(b for b in bodies if b.startswith(CHUNK))
-            assert broken.count(CHUNK) == 1
-            assert b'"type":"bad_gateway_error"' in broken
-            assert b"[DONE]" not in broken
-            assert len(good.calls) == 1
+            broken = [b for b in bodies if b.startswith(CHUNK)]
+            assert len(broken) == len(bad.calls) >= 1
+            for body in broken:
+                assert body.count(CHUNK) == 1
+                assert b'"type":"bad_gateway_error"' in body
+                assert b"[DONE]" not in body
+            assert len(good.calls) == 2 - len(bad.calls)
+            assert all(line["retries"] == 0 for line in gw.access_lines())
     finally:
         await bad.stop()
         await good.stop()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import hmac
 import logging
 import os
 import random
@@ -41,7 +40,6 @@ from servegate.gateway.errors import (
     NoEndpoints,
     NotFound,
     RequestTimeout,
-    Unauthorized,
     clip,
     describe,
     for_status,
@@ -61,6 +59,7 @@ from servegate.gateway.pools import (
 from servegate.gateway.probes import ProbeServer
 from servegate.gateway.proxy import Proxy, forward_headers
 from servegate.gateway.retry import RetryBudget
+from servegate.gateway.tenants import Tenant, TenantTable
 from servegate.pool.pool import Pool
 from servegate.scaleout.report import add_scaleout_routes
 from servegate.scaleout.wiring import start_scaleout
@@ -101,6 +100,8 @@ class Gateway:
     reload_listeners: list[Callable[[Gateway], None]] = field(default_factory=list)
     """Called after every successful reload, with the gateway already switched over."""
     reloader: ConfigReloader | None = None
+    tenants: TenantTable = field(default_factory=lambda: TenantTable([]))
+    """Accepted keys and their tenants; rebuilt on reload."""
 
     def pool_runtimes(self) -> tuple[PoolRuntime, ...]:
         """Every pool's runtime (`.pool`, `.scheduler`, …); the first is the default."""
@@ -196,6 +197,7 @@ def build_gateway(
         access_log=access,
         rng=random.Random(config.gateway.seed),
         config_dir=config_dir,
+        tenants=TenantTable.from_config(config, config_dir),
     )
     holder.append(gw)
     return gw
@@ -211,18 +213,8 @@ def _request_id(request: web.Request) -> str:
     return os.urandom(16).hex()
 
 
-def _authorise(gw: Gateway, request: web.Request) -> None:
-    keys = gw.config.gateway.api_keys
-    if not keys:
-        return
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    supplied = token.strip().encode() if scheme.lower() == "bearer" else b""
-    ok = False
-    for key in keys:
-        ok |= hmac.compare_digest(supplied, key.encode())
-    if not ok:
-        raise Unauthorized("invalid or missing API key; send 'Authorization: Bearer <key>'")
+def _authorise(gw: Gateway, request: web.Request) -> Tenant | None:
+    return gw.tenants.authenticate(request.headers.get("Authorization", ""))
 
 
 async def _read_body(gw: Gateway, request: web.Request) -> bytes:
@@ -279,13 +271,20 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
     series = None
     admitted = False
     rt: PoolRuntime | None = None
+    tenant: Tenant | None = None
+    estimated = 0
     try:
-        _authorise(gw, request)
+        tenant = _authorise(gw, request)
         body = await _read_body(gw, request)
         llm = parse_request(body, kind, _lower_headers(request), rid)
         if strip_gateway_fields(llm.body):
             body = orjson.dumps(llm.body)
         record.model = llm.model
+        estimated = llm.prompt_tokens + (llm.max_tokens or 0)
+        if tenant is not None:
+            record.tenant = tenant.name
+            llm.fairness_id = tenant.fairness_id
+            tenant.admit(estimated)
         rt = route_request(gw, llm)
         rt.enter()
         record.target_model = llm.target_model
@@ -293,7 +292,9 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         model_labels = (llm.model, llm.target_model)
         series = gw.metrics.objective(llm.model, llm.target_model)
         series.running.inc()
-        queued_s = await rt.admission.admit(llm, len(body))
+        queued_s = await rt.admission.admit(
+            llm, len(body), tenant.max_priority if tenant is not None else None
+        )
         admitted = True
         now = time.monotonic()
         candidates = rt.pool.candidates(llm.base_model, now, llm.lora)
@@ -319,7 +320,7 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         upstream_headers = forward_headers(
             request.headers,
             rid,
-            strip_authorization=bool(gw.config.gateway.api_keys),
+            strip_authorization=gw.tenants.enabled,
             client=request.remote,
         )
         if llm.target_model != llm.model:
@@ -362,6 +363,8 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         response = render(error, {"X-Request-ID": rid})
         return response
     finally:
+        if tenant is not None and admitted and record.completion_tokens is not None:
+            tenant.settle(estimated, (record.prompt_tokens or 0) + record.completion_tokens)
         if rt is not None:
             if admitted:
                 rt.admission.completed()

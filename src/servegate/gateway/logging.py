@@ -32,6 +32,8 @@ class AccessRecord:
     target_model: str | None = None
     """The model the replica was asked for: `model` after aliases and traffic splits."""
     pool: str | None = None
+    tenant: str | None = None
+    """The tenant whose key the request carried (never the key)."""
     endpoint: str | None = None
     status: int = 0
     ttft_ms: float | None = None

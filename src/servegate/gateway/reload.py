@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from servegate.config import ConfigError, ServegateConfig, load_config
 from servegate.gateway.pools import PoolRuntime
+from servegate.gateway.tenants import TenantTable
 
 if TYPE_CHECKING:
     from servegate.gateway.app import Gateway
@@ -97,6 +98,7 @@ class ConfigReloader:
             gw = self.gw
             old = gw.runtimes
             try:
+                tenants = TenantTable.from_config(config, gw.config_dir, previous=gw.tenants)
                 runtimes, routing = build_runtimes(config, gw.metrics, gw.config_dir, old)
             except Exception as exc:  # any build error keeps the old config
                 return self._failed(f"{type(exc).__name__}: {exc}")
@@ -109,6 +111,7 @@ class ConfigReloader:
             await _warm_up(fresh, old, config.reload.warmup_s)
             previous_config = gw.config
             gw.config = config
+            gw.tenants = tenants
             gw.runtimes = runtimes
             gw.routing = routing
             self._restart_only_changes(previous_config, config)
