@@ -73,6 +73,7 @@ class Replica:
     async def start(self) -> Replica:
         app = web.Application(client_max_size=1 << 30)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/v2/health/ready", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
         app.router.add_route("*", "/{tail:.*}", self._inference)

@@ -13,7 +13,14 @@ from aiohttp import web
 
 from servegate.testing.gateway import GatewayRunner
 from tests.disagg_pickers import PD_HANDLER, disagg_picker
-from tests.hostile.replica import MODEL, Replica, gateway_config, json_answer, ready
+from tests.hostile.replica import (
+    MODEL,
+    Replica,
+    gateway_config,
+    json_answer,
+    ready,
+    wait_until,
+)
 from tests.integration.subprocess_gateway import SubprocessGateway, rss_kib
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -202,5 +209,29 @@ async def test_a_400_mb_answer_does_not_balloon_the_gateway(http: aiohttp.Client
                     peak = rss_kib(gw.pid)
             assert received == size
             assert peak - before < 100 * 1024, (before, peak)
+    finally:
+        await replica.stop()
+
+
+async def test_a_triton_answer_over_the_buffer_limit_is_502(http: aiohttp.ClientSession) -> None:
+    """A Triton answer is translated whole, so past `max_buffered_bytes` it is refused."""
+    replica = await Replica(big_json(2 * 1024 * 1024)).start()
+    endpoints = [
+        {
+            "url": replica.url,
+            "engine": "triton-tensorrt-llm",
+            "model": MODEL,
+            "metrics_url": replica.url + "/metrics",
+        }
+    ]
+    cfg = gateway_config([], None, endpoints, max_buffered_bytes=64 * 1024, max_retries=0)
+    try:
+        async with GatewayRunner(cfg) as gw:
+            await wait_until(lambda: gw.gateway.pool.ready_count() == 1, "ready Triton endpoint")
+            async with http.post(gw.url + "/v1/completions", json=COMPLETION) as resp:
+                assert resp.status == 502
+                error = (await resp.json())["error"]
+                assert "more than 65536 bytes" in error["message"]
+        assert replica.calls[0].path.startswith("/v2/models/")
     finally:
         await replica.stop()
