@@ -115,6 +115,10 @@ async def test_over_the_cap_a_newcomer_gets_503_then_displaces_an_idle_connectio
                 assert resp.status == 200
             assert guard.displaced >= 1
             assert len(guard) <= 4
+            registry = gw.gateway.metrics.registry
+            closed = "servegate_client_connections_closed_total"
+            assert registry.get_sample_value(closed, {"reason": "refused"}) == 1
+            assert registry.get_sample_value("servegate_client_connections_max") == 4
         finally:
             for sock in socks:
                 sock.close()

@@ -29,7 +29,12 @@ from servegate.engines.registry import EngineRegistry
 from servegate.gateway.admin import add_admin_routes
 from servegate.gateway.admission import QUEUE_DURATION_HEADER, GatewayAdmission, queue_ms
 from servegate.gateway.cache_routing import CacheRouting
-from servegate.gateway.connections import CONNECTIONS, ConnectionGuard, connection_middleware
+from servegate.gateway.connections import (
+    CONNECTIONS,
+    ConnectionCollector,
+    ConnectionGuard,
+    connection_middleware,
+)
 from servegate.gateway.disagg import Disaggregator
 from servegate.gateway.errors import (
     BadRequest,
@@ -580,7 +585,8 @@ def create_app(gw: Gateway) -> web.Application:
         middlewares=[connection_middleware, error_middleware],
     )
     app[GATEWAY] = gw
-    app[CONNECTIONS] = ConnectionGuard(gw.config.gateway)
+    guard = app[CONNECTIONS] = ConnectionGuard(gw.config.gateway)
+    gw.metrics.registry.register(ConnectionCollector(guard))
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/embeddings", embeddings)

@@ -27,10 +27,12 @@ import logging
 import resource
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import cast
 
 from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from servegate.config import GatewaySettings
 from servegate.gateway.errors import error_body
@@ -232,6 +234,34 @@ class ConnectionGuard:
 
     def lookup(self, transport: asyncio.BaseTransport | None) -> _Guarded | None:
         return self._open.get(transport) if transport is not None else None
+
+
+class ConnectionCollector(Collector):
+    """`servegate_client_connections` and the guard's counters, read at scrape time."""
+
+    def __init__(self, guard: ConnectionGuard) -> None:
+        self._guard = guard
+
+    def collect(self) -> Iterable[Metric]:
+        guard = self._guard
+        open_ = GaugeMetricFamily(
+            "servegate_client_connections", "Open client connections (the guard's count)."
+        )
+        open_.add_metric([], len(guard))
+        cap = GaugeMetricFamily(
+            "servegate_client_connections_max", "The cap on open client connections."
+        )
+        cap.add_metric([], guard.max_connections)
+        closed = CounterMetricFamily(
+            "servegate_client_connections_closed",
+            "Client connections the guard closed: refused over the cap (503), displaced "
+            "(the longest idle, for a newcomer), or a request head that came too slowly.",
+            labels=["reason"],
+        )
+        closed.add_metric(["refused"], guard.refused)
+        closed.add_metric(["displaced"], guard.displaced)
+        closed.add_metric(["header_timeout"], guard.header_timeouts)
+        yield from (open_, cap, closed)
 
 
 CONNECTIONS = web.AppKey("connections", ConnectionGuard)
