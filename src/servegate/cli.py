@@ -128,6 +128,8 @@ def config_check(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
     resolved = cfg.model_dump(mode="json")
+    for name in ("api_keys", "admin_keys"):  # keys are never printed (tenants' are secrets)
+        resolved["gateway"][name] = ["**********"] * len(resolved["gateway"][name])
     resolved["resolved_profiles"] = gw.scheduler.describe()
     sys.stdout.write(orjson.dumps(resolved, option=orjson.OPT_INDENT_2).decode() + "\n")
 

@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
     field_validator,
     model_validator,
@@ -72,6 +73,69 @@ class GatewaySettings(_Strict):
     """On SIGTERM: stop accepting, then let in-flight requests finish for up to this long."""
     probe_port: int | None = Field(None, ge=0, le=65535)
     """Serve /health and /ready also on this port, from a thread of their own (None = off)."""
+
+    @field_validator("api_keys", "admin_keys")
+    @classmethod
+    def _no_blank_keys(cls, keys: tuple[str, ...]) -> tuple[str, ...]:
+        for key in keys:
+            if not key.strip():
+                raise ValueError(
+                    "an empty or blank key would let anyone in (a request with no key "
+                    "matches it); remove it, or leave the list empty to turn authentication off"
+                )
+            if key != key.strip():
+                raise ValueError("a key must not start or end with whitespace; strip it")
+        return keys
+
+    idle_timeout_s: PositiveFloat = 60.0
+    """Close a client connection that sends nothing for this long (keep-alive idle, and a
+    connection that never sends a request)."""
+    header_timeout_s: PositiveFloat = 10.0
+    """A request head must arrive completely within this long of its first byte."""
+    body_timeout_s: PositiveFloat = 60.0
+    """A request body must arrive completely within this long (else 408)."""
+    max_connections: int | None = Field(None, ge=1)
+    """Open client connections at most; None = three quarters of the file-descriptor limit.
+    A newcomer over the cap displaces the longest-idle connection, else gets 503."""
+    max_buffered_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    """A non-streamed upstream answer up to this size is read whole (for its usage); a
+    longer one is relayed as it comes. Answers that must be translated whole (Triton) and
+    the P/D prefill leg's answer get 502 (fallback) past it."""
+    max_connections_per_client: int | None = Field(None, ge=1)
+    """Open connections per client address; None = no limit besides `max_connections`."""
+
+
+class TenantSettings(_Strict):
+    """A tenant: the API keys that are its, and what its requests may claim (docs/configuration.md)."""
+
+    name: str = Field(min_length=1, max_length=128)
+    keys: tuple[SecretStr, ...] = ()
+    """Inline keys (prefer `key_files` or `key_env`: a config file is often world-readable)."""
+    key_files: tuple[str, ...] = ()
+    """Files holding keys, one per line (`#` comments and blank lines skipped); relative to
+    the config file's folder. A Kubernetes Secret mounted as files fits here."""
+    key_env: tuple[str, ...] = ()
+    """Environment variables each holding one key."""
+    fairness_id: str | None = Field(None, min_length=1, max_length=256)
+    """The flow its requests are queued in, whatever header they send; None = `name`."""
+    max_priority: int | None = None
+    """The highest priority its requests may claim (through the objective they name); a
+    higher one is lowered to this. None = any."""
+    requests_per_minute: int | None = Field(None, gt=0)
+    tokens_per_minute: int | None = Field(None, gt=0)
+    """Prompt plus `max_tokens` (estimated at arrival, settled with the reported usage)."""
+
+    @model_validator(mode="after")
+    def _has_keys(self) -> TenantSettings:
+        if not (self.keys or self.key_files or self.key_env):
+            raise ValueError(f"tenant {self.name!r} has no keys: set key_files, key_env or keys")
+        for key in self.keys:
+            secret = key.get_secret_value()
+            if not secret.strip() or secret != secret.strip():
+                raise ValueError(
+                    f"tenant {self.name!r}: a blank or padded key would let anyone in; remove it"
+                )
+        return self
 
 
 class RetrySettings(_Strict):
@@ -385,8 +449,19 @@ class ServegateConfig(_Strict):
     model_rewrites: tuple[ModelRewrite, ...] = ()
     """Public model names mapped to weighted targets (InferenceModelRewrite)."""
     reload: ReloadSettings = ReloadSettings()
+    tenants: tuple[TenantSettings, ...] = ()
+    """API keys mapped to tenants (fairness id, priority ceiling, rate limits); their keys
+    are accepted alongside `gateway.api_keys`."""
     scaleout: ScaleOutSettings = ScaleOutSettings()
     """Several worker processes and replicas sharing routing state (docs/scaleout.md)."""
+
+    @model_validator(mode="after")
+    def _tenant_names(self) -> ServegateConfig:
+        names = [t.name for t in self.tenants]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"tenants: names must be unique; {twice} used more than once")
+        return self
 
     @model_validator(mode="after")
     def _pools(self) -> ServegateConfig:

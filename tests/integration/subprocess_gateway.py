@@ -34,7 +34,11 @@ def rss_kib(pid: int) -> int:
 
 
 class SubprocessGateway:
-    def __init__(self, config: dict[str, Any], ready_endpoints: int) -> None:
+    def __init__(
+        self, config: dict[str, Any], ready_endpoints: int, nofile: int | None = None
+    ) -> None:
+        """`nofile`: the child's file-descriptor limit (RLIMIT_NOFILE), None = inherited."""
+        self.nofile = nofile
         self.port = free_port()
         self.config = {**config, "gateway": {**config.get("gateway", {}), "port": self.port}}
         self.config["gateway"].setdefault("host", "127.0.0.1")
@@ -56,10 +60,17 @@ class SubprocessGateway:
         path = Path(self._dir.name) / "gateway.yaml"
         path.write_text(yaml.safe_dump(self.config))
         with self.log_path.open("wb") as log:
+            if self.nofile is None:
+                command = [sys.executable, "-m", "servegate.cli"]
+            else:
+                prelude = (
+                    "import resource, runpy, sys; "
+                    f"resource.setrlimit(resource.RLIMIT_NOFILE, ({self.nofile}, {self.nofile})); "
+                    "sys.argv[0] = 'servegate'; runpy.run_module('servegate.cli', run_name='__main__')"
+                )
+                command = [sys.executable, "-c", prelude]
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "servegate.cli",
+                *command,
                 "serve",
                 "--config",
                 str(path),

@@ -48,11 +48,11 @@ def within_subset(candidates: list[EndpointState], subset: Sequence[str]) -> lis
     return [s for s in candidates if s.address in allowed or s.endpoint.host in allowed]
 
 
-async def admit(gw: Gateway, llm: LLMRequest, size: int) -> float:
+async def admit(gw: Gateway, llm: LLMRequest, size: int, max_priority: int | None = None) -> float:
     """Flow control's wait (the HTTP gateway's `GatewayAdmission`); 0 when none is built."""
     if gw.admission is None:
         return 0.0
-    return await gw.admission.admit(llm, size)
+    return await gw.admission.admit(llm, size, max_priority)
 
 
 async def pick(gw: Gateway, llm: LLMRequest, subset: Sequence[str] | None) -> Routed:

@@ -16,7 +16,6 @@ when the stream breaks off, whichever comes first.
 
 from __future__ import annotations
 
-import hmac
 import time
 import uuid
 from enum import Enum
@@ -44,11 +43,12 @@ from servegate.extproc.protocol import (
 from servegate.extproc.usage import UsageTap
 from servegate.gateway.admission import QUEUE_DURATION_HEADER, queue_ms
 from servegate.gateway.app import Gateway
-from servegate.gateway.errors import BodyTooLarge, GatewayError, Unauthorized, error_body
+from servegate.gateway.errors import BodyTooLarge, GatewayError, error_body
 from servegate.gateway.logging import AccessRecord
 from servegate.gateway.metrics import ObjectiveSeries
-from servegate.gateway.parse import parse_request
+from servegate.gateway.parse import parse_request, strip_gateway_fields
 from servegate.gateway.proxy import ROUTING_HEADERS
+from servegate.gateway.tenants import Tenant
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.scheduling.scheduler import result_as_dict
@@ -172,16 +172,24 @@ class ExtProcStream:
             return self._route_any(body, body_sent, end_of_stream)
         gw = self.gw
         try:
-            self._authorise()
+            tenant = self._authorise()
             llm = parse_request(body, kind, self._headers, self._rid)
+            if strip_gateway_fields(llm.body):
+                body = orjson.dumps(llm.body)
             record.model = llm.model
+            if tenant is not None:
+                record.tenant = tenant.name
+                llm.fairness_id = tenant.fairness_id
+                tenant.admit(llm.prompt_tokens + (llm.max_tokens or 0))
             resolve_model(gw, llm)
             record.target_model = llm.target_model
             self.llm = llm
             self._labels = (llm.model, llm.target_model)
             self._series = gw.metrics.objective(llm.model, llm.target_model)
             self._series.running.inc()
-            self._queued_s = await admit(gw, llm, len(body))
+            self._queued_s = await admit(
+                gw, llm, len(body), tenant.max_priority if tenant is not None else None
+            )
             self._admitted = True
             routed = await pick(gw, llm, self._subset)
         except GatewayError as exc:
@@ -218,7 +226,7 @@ class ExtProcStream:
         if body:
             set_headers["content-length"] = str(len(body))
         remove = [h for h in sorted(ROUTING_HEADERS) if h not in set_headers]
-        if self.gw.config.gateway.api_keys:
+        if self.gw.tenants.enabled:
             remove.append("authorization")
         self.phase = Phase.UPSTREAM
         out = [request_headers_response(set_headers, remove, destinations)]
@@ -226,17 +234,8 @@ class ExtProcStream:
             out.extend(request_body_responses(body, end_of_stream))
         return out
 
-    def _authorise(self) -> None:
-        keys = self.gw.config.gateway.api_keys
-        if not keys:
-            return
-        scheme, _, token = self._headers.get("authorization", "").partition(" ")
-        supplied = token.strip().encode() if scheme.lower() == "bearer" else b""
-        ok = False
-        for key in keys:
-            ok |= hmac.compare_digest(supplied, key.encode())
-        if not ok:
-            raise Unauthorized("invalid or missing API key; send 'Authorization: Bearer <key>'")
+    def _authorise(self) -> Tenant | None:
+        return self.gw.tenants.authenticate(self._headers.get("authorization", ""))
 
     def _reject(self, exc: GatewayError) -> Message:
         if self.record is not None:

@@ -121,9 +121,12 @@ class GatewayAdmission:
         name = objective_of(headers)
         return self.priorities.get(name, 0) if name is not None else 0
 
-    async def admit(self, request: LLMRequest, size: int) -> float:
-        """Wait for dispatch; the seconds queued, or a `GatewayError` naming why it was dropped."""
+    async def admit(self, request: LLMRequest, size: int, max_priority: int | None = None) -> float:
+        """Wait for dispatch; the seconds queued, or a `GatewayError` naming why it was dropped.
+        `max_priority`: the highest the request may claim (its tenant's); higher is lowered."""
         priority = self.priority_of(request.headers)
+        if max_priority is not None and priority > max_priority:
+            priority = max_priority
         request.priority = priority
         flow = request.fairness_id[:MAX_FLOW_ID]
         tokens = request.prompt_tokens + (request.max_tokens or 0)

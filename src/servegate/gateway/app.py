@@ -8,7 +8,7 @@ forward bytes with fallbacks → relay → account, log, count.
 from __future__ import annotations
 
 import asyncio
-import hmac
+import contextvars
 import logging
 import os
 import random
@@ -30,22 +30,32 @@ from servegate.gateway.admin import add_admin_routes
 from servegate.gateway.admission import QUEUE_DURATION_HEADER, GatewayAdmission, queue_ms
 from servegate.gateway.cache_routing import CacheRouting
 from servegate.gateway.cluster_policy import apply_cluster_policy
+from servegate.gateway.connections import (
+    CONNECTIONS,
+    ConnectionCollector,
+    ConnectionGuard,
+    connection_middleware,
+)
 from servegate.gateway.disagg import Disaggregator
 from servegate.gateway.errors import (
     BadRequest,
     BodyTooLarge,
     GatewayError,
+    InternalError,
     ModelNotFound,
     NoEndpoints,
     NotFound,
-    Unauthorized,
+    RequestTimeout,
+    clip,
+    describe,
+    for_status,
     render,
 )
 from servegate.gateway.logging import AccessLog, AccessRecord
 from servegate.gateway.metrics import GatewayMetrics
 from servegate.gateway.model_routing import RoutingTable
 from servegate.gateway.openapi import serve_openapi
-from servegate.gateway.parse import parse_request
+from servegate.gateway.parse import parse_request, strip_gateway_fields
 from servegate.gateway.pools import (
     PoolRuntime,
     RuntimeCollector,
@@ -55,6 +65,7 @@ from servegate.gateway.pools import (
 from servegate.gateway.probes import ProbeServer
 from servegate.gateway.proxy import Proxy, forward_headers
 from servegate.gateway.retry import RetryBudget
+from servegate.gateway.tenants import Tenant, TenantTable
 from servegate.pool.pool import Pool
 from servegate.scaleout.report import add_scaleout_routes
 from servegate.scaleout.wiring import start_scaleout
@@ -67,6 +78,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("servegate.gateway")
 
+PREPARED: contextvars.ContextVar[bool] = contextvars.ContextVar("prepared", default=False)
+"""True once the current request's response headers are on their way (`on_response_prepare`;
+reset per request by `error_middleware`: a connection's requests share one task)."""
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
 SERVED_MODEL_HEADER = "x-servegate-served-model"
 """On responses whose model was rewritten: the model the replica was asked for."""
@@ -92,6 +106,8 @@ class Gateway:
     reload_listeners: list[Callable[[Gateway], None]] = field(default_factory=list)
     """Called after every successful reload, with the gateway already switched over."""
     reloader: ConfigReloader | None = None
+    tenants: TenantTable = field(default_factory=lambda: TenantTable([]))
+    """Accepted keys and their tenants; rebuilt on reload."""
 
     def pool_runtimes(self) -> tuple[PoolRuntime, ...]:
         """Every pool's runtime (`.pool`, `.scheduler`, …); the first is the default."""
@@ -187,6 +203,7 @@ def build_gateway(
         access_log=access,
         rng=random.Random(config.gateway.seed),
         config_dir=config_dir,
+        tenants=TenantTable.from_config(config, config_dir),
     )
     holder.append(gw)
     return gw
@@ -202,28 +219,27 @@ def _request_id(request: web.Request) -> str:
     return os.urandom(16).hex()
 
 
-def _authorise(gw: Gateway, request: web.Request) -> None:
-    keys = gw.config.gateway.api_keys
-    if not keys:
-        return
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    supplied = token.strip().encode() if scheme.lower() == "bearer" else b""
-    ok = False
-    for key in keys:
-        ok |= hmac.compare_digest(supplied, key.encode())
-    if not ok:
-        raise Unauthorized("invalid or missing API key; send 'Authorization: Bearer <key>'")
+def _authorise(gw: Gateway, request: web.Request) -> Tenant | None:
+    return gw.tenants.authenticate(request.headers.get("Authorization", ""))
 
 
 async def _read_body(gw: Gateway, request: web.Request) -> bytes:
-    limit = gw.config.gateway.max_body_bytes
+    settings = gw.config.gateway
+    limit = settings.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
     try:
-        return await request.read()
+        async with asyncio.timeout(settings.body_timeout_s):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes") from exc
+    except web.RequestPayloadError as exc:
+        # A body whose Content-Encoding or chunked framing does not decode.
+        raise BadRequest(f"the request body cannot be decoded: {describe(exc)}") from exc
+    except TimeoutError as exc:
+        raise RequestTimeout(
+            f"the request body did not arrive within {settings.body_timeout_s:g} s"
+        ) from exc
 
 
 def route_request(gw: Gateway, llm: LLMRequest) -> PoolRuntime:
@@ -245,9 +261,10 @@ def route_request(gw: Gateway, llm: LLMRequest) -> PoolRuntime:
             return runtime
     if routed.rewritten:
         raise ModelNotFound(
-            f"The model `{llm.model}` is routed to `{routed.model}`, which no pool serves."
+            f"The model `{clip(llm.model)}` is routed to `{clip(routed.model)}`, "
+            "which no pool serves."
         )
-    raise ModelNotFound(f"The model `{llm.model}` does not exist.")
+    raise ModelNotFound(f"The model `{clip(llm.model)}` does not exist.")
 
 
 async def _inference(request: web.Request, kind: RequestKind) -> web.StreamResponse:
@@ -260,11 +277,20 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
     series = None
     admitted = False
     rt: PoolRuntime | None = None
+    tenant: Tenant | None = None
+    estimated = 0
     try:
-        _authorise(gw, request)
+        tenant = _authorise(gw, request)
         body = await _read_body(gw, request)
         llm = parse_request(body, kind, _lower_headers(request), rid)
+        if strip_gateway_fields(llm.body):
+            body = orjson.dumps(llm.body)
         record.model = llm.model
+        estimated = llm.prompt_tokens + (llm.max_tokens or 0)
+        if tenant is not None:
+            record.tenant = tenant.name
+            llm.fairness_id = tenant.fairness_id
+            tenant.admit(estimated)
         rt = route_request(gw, llm)
         rt.enter()
         record.target_model = llm.target_model
@@ -272,7 +298,9 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         model_labels = (llm.model, llm.target_model)
         series = gw.metrics.objective(llm.model, llm.target_model)
         series.running.inc()
-        queued_s = await rt.admission.admit(llm, len(body))
+        queued_s = await rt.admission.admit(
+            llm, len(body), tenant.max_priority if tenant is not None else None
+        )
         admitted = True
         now = time.monotonic()
         candidates = rt.pool.candidates(llm.base_model, now, llm.lora)
@@ -297,7 +325,10 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
                 extra["x-servegate-scores"] = orjson.dumps(result_as_dict(result)).decode()
         assert rt.proxy is not None
         upstream_headers = forward_headers(
-            request.headers, rid, strip_authorization=bool(gw.config.gateway.api_keys)
+            request.headers,
+            rid,
+            strip_authorization=gw.tenants.enabled,
+            client=request.remote,
         )
         if llm.target_model != llm.model:
             llm.body["model"] = llm.target_model
@@ -321,12 +352,26 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         record.error = exc.message
         gw.metrics.request_errors.labels(*model_labels, str(exc.status)).inc()
         response = render(exc, {"X-Request-ID": rid})
+        if isinstance(exc, RequestTimeout):
+            await _answer_and_close(request, response)
         return response
     except asyncio.CancelledError:
         record.status = 499
         record.error = "client disconnected"
         raise
+    except Exception as exc:
+        record.error = describe(exc)
+        if PREPARED.get():
+            raise  # the answer has begun: only a cut connection can say it failed
+        log.exception("unexpected error on request %s", rid)
+        error = InternalError(f"the gateway failed: {describe(exc)}")
+        record.status = error.status
+        gw.metrics.request_errors.labels(*model_labels, str(error.status)).inc()
+        response = render(error, {"X-Request-ID": rid})
+        return response
     finally:
+        if tenant is not None and admitted and record.completion_tokens is not None:
+            tenant.settle(estimated, (record.prompt_tokens or 0) + record.completion_tokens)
         if rt is not None:
             if admitted:
                 rt.admission.completed()
@@ -348,6 +393,15 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
                 series.output_tokens.observe(record.completion_tokens)
         gw.metrics.response(record.status).inc()
         gw.access_log.write(record)
+
+
+async def _answer_and_close(request: web.Request, response: web.StreamResponse) -> None:
+    """Sends `response` now and closes the connection, without waiting for (lingering on)
+    a body the client is still trickling."""
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()
 
 
 def _lower_headers(request: web.Request) -> dict[str, str]:
@@ -430,16 +484,32 @@ async def metrics(request: web.Request) -> web.Response:
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
+    prepared = PREPARED.set(False)
     try:
         return await handler(request)
     except web.HTTPNotFound:
-        return render(NotFound(f"no route for {request.method} {request.path}"))
+        return render(NotFound(f"no route for {clip(request.method)} {clip(request.path)}"))
     except web.HTTPMethodNotAllowed:
-        exc = BadRequest(f"method {request.method} is not allowed on {request.path}")
+        exc = BadRequest(f"method {clip(request.method)} is not allowed on {clip(request.path)}")
         exc.status = 405
         return render(exc)
     except web.HTTPRequestEntityTooLarge:
         return render(BodyTooLarge("request body too large"))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return render(for_status(exc.status, exc.text or exc.reason))
+    except Exception as exc:
+        if PREPARED.get():
+            raise  # the answer has begun: only a cut connection can say it failed
+        log.exception("unexpected error on %s %s", request.method, clip(request.path))
+        return render(InternalError(f"the gateway failed: {describe(exc)}"))
+    finally:
+        PREPARED.reset(prepared)
+
+
+async def _mark_prepared(request: web.Request, response: web.StreamResponse) -> None:
+    PREPARED.set(True)
 
 
 # -- lifecycle ----------------------------------------------------------------------
@@ -462,8 +532,8 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
     gw = app[GATEWAY]
     settings = gw.config.gateway
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
-    # No cookie jar: a replica's Set-Cookie goes to the client that caused it, and is
-    # never replayed on other clients' requests.
+    # No cookie jar: a replica's Set-Cookie is never replayed on other clients' requests
+    # (nor relayed to the client: proxy.UPSTREAM_DROP).
     session = aiohttp.ClientSession(
         connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
     )
@@ -515,9 +585,12 @@ async def _stop_queueing(app: web.Application) -> None:
 
 def create_app(gw: Gateway) -> web.Application:
     app = web.Application(
-        client_max_size=gw.config.gateway.max_body_bytes, middlewares=[error_middleware]
+        client_max_size=gw.config.gateway.max_body_bytes,
+        middlewares=[connection_middleware, error_middleware],
     )
     app[GATEWAY] = gw
+    guard = app[CONNECTIONS] = ConnectionGuard(gw.config.gateway)
+    gw.metrics.registry.register(ConnectionCollector(guard))
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/embeddings", embeddings)
@@ -528,6 +601,7 @@ def create_app(gw: Gateway) -> web.Application:
     app.router.add_get("/openapi.json", serve_openapi)
     add_admin_routes(app, GATEWAY)
     add_scaleout_routes(app, GATEWAY)
+    app.on_response_prepare.append(_mark_prepared)
     app.on_shutdown.append(_stop_queueing)
     app.cleanup_ctx.append(_components)
     return app

@@ -33,9 +33,11 @@ import orjson
 from aiohttp import web
 
 from servegate.config import DisaggregationSettings, GatewaySettings
+from servegate.datalayer.scraper import FetchError, read_limited
+from servegate.gateway.errors import describe
 from servegate.gateway.logging import AccessRecord
 from servegate.gateway.metrics import GatewayMetrics
-from servegate.gateway.proxy import Proxy, Route
+from servegate.gateway.proxy import NO_AUTO_HEADERS, Proxy, Route
 from servegate.gateway.triton import TRITON_ENGINE
 from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
@@ -58,6 +60,8 @@ REMOTE_DECODE_PARAMS: Mapping[str, Any] = {
     "remote_port": None,
 }
 """The prefill leg's `kv_transfer_params` (vLLM's NIXL connector)."""
+PREFILL_ANSWER_LIMIT = 1024 * 1024
+"""The prefill leg's answer is one token and `kv_transfer_params`; a longer one is refused."""
 ONE_TOKEN_FIELDS = ("max_completion_tokens", "min_tokens")
 """Set to 1 on the prefill leg when present; `max_tokens` is always set to 1."""
 
@@ -218,18 +222,25 @@ class Disaggregator:
                     data=body,
                     headers=headers,
                     timeout=self._client_timeout,
+                    allow_redirects=False,
+                    skip_auto_headers=NO_AUTO_HEADERS,
                 ) as response,
             ):
                 record.prefill_status = response.status
-                data = await response.read()
+                data = await read_limited(response, PREFILL_ANSWER_LIMIT)
         except TimeoutError as exc:
             self._failed(state, "timeout")
             raise PrefillFailed(
                 "timeout", f"prefill {state.address}: no answer in {self._timeout_s:g} s"
             ) from exc
+        except FetchError as exc:
+            self._failed(state, "too_large")
+            raise PrefillFailed("bad-response", f"prefill {state.address}: {exc}") from exc
         except (aiohttp.ClientError, OSError) as exc:
             self._failed(state, "connect")
-            raise PrefillFailed("connect", f"prefill {state.address} failed: {exc!r}") from exc
+            raise PrefillFailed(
+                "connect", f"prefill {state.address} failed: {describe(exc)}"
+            ) from exc
         finally:
             self._pool.release(state, tokens)
             record.prefill_ms = (time.monotonic() - t0) * 1000.0

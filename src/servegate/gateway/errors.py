@@ -6,13 +6,18 @@
     ├── Forbidden             403 permission_error
     ├── ModelNotFound         404 invalid_request_error / model_not_found
     ├── NotFound              404 (unknown route)
+    ├── RequestTimeout        408 invalid_request_error (the body came too slowly)
     ├── BodyTooLarge          413 invalid_request_error
     ├── Dropped               429/503 with x-llm-d-request-dropped-reason
     │   ├── Saturated         429 rejected-saturated
     │   ├── TtlExpired        429 rejected-ttl-expired
     │   └── NoEndpoints       503 rejected-no-endpoints
     ├── UpstreamFailed        502 upstream connect/protocol failure
-    └── UpstreamTimeout       504
+    ├── UpstreamTimeout       504
+    └── InternalError         500 server_error (an exception nothing else expected)
+
+`for_status` builds one for any status (aiohttp's own HTTP exceptions, a replica's error
+that is not JSON), with the standard `type` for it (`TYPE_BY_STATUS`).
 
 Foreign exceptions (aiohttp, asyncio timeouts) are translated in `proxy.py` with
 `raise … from exc`; `render` is the one place that writes the JSON body.
@@ -76,6 +81,12 @@ class NotFound(GatewayError):
     code = "not_found"
 
 
+class RequestTimeout(GatewayError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class BodyTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
@@ -121,6 +132,65 @@ class UpstreamTimeout(GatewayError):
     status = 504
     type = "timeout_error"
     code = "upstream_timeout"
+
+
+class InternalError(GatewayError):
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+
+TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    502: "bad_gateway_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+def for_status(status: int, message: str, code: str | None = None) -> GatewayError:
+    """An error with `status` and the standard OpenAI `type` for it."""
+    error = GatewayError(message)
+    error.status = status
+    error.type = TYPE_BY_STATUS.get(
+        status, "invalid_request_error" if status < 500 else "server_error"
+    )
+    error.code = code
+    return error
+
+
+DESCRIBE_CHARS = 200
+ECHO_CHARS = 256
+"""The most of a client-supplied string (a model name, a path) an error or log line repeats."""
+
+
+def clip(text: str, limit: int = ECHO_CHARS) -> str:
+    """`text`, or its first `limit` characters and how many more there were."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text) - limit} more characters)"
+
+
+def describe(exc: BaseException) -> str:
+    """A foreign exception for an error message or a log line: its type and message, never
+    its repr (aiohttp's `ClientResponseError` repr carries the request's headers, and with
+    them the client's `Authorization` and `Cookie`), cut to `DESCRIBE_CHARS`."""
+    message = getattr(exc, "message", None)
+    text = message if isinstance(message, str) else str(exc)
+    text = " ".join(text.split())
+    if len(text) > DESCRIBE_CHARS:
+        text = text[:DESCRIBE_CHARS] + "…"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def error_body(message: str, type_: str, code: str | int | None, param: str | None) -> bytes:

@@ -16,6 +16,10 @@ from typing import IO, Any
 
 import orjson
 
+LOG_FIELD_CHARS = 256
+"""Client-supplied strings (model names, error echoes) are cut to this in the access log."""
+CLIPPED_FIELDS = ("model", "target_model", "error", "prefill_error", "path")
+
 
 @dataclass(slots=True)
 class AccessRecord:
@@ -28,6 +32,8 @@ class AccessRecord:
     target_model: str | None = None
     """The model the replica was asked for: `model` after aliases and traffic splits."""
     pool: str | None = None
+    tenant: str | None = None
+    """The tenant whose key the request carried (never the key)."""
     endpoint: str | None = None
     status: int = 0
     ttft_ms: float | None = None
@@ -57,6 +63,10 @@ class AccessLog:
     def write(self, record: AccessRecord) -> None:
         if not self.enabled:
             return
+        for name in CLIPPED_FIELDS:
+            value = getattr(record, name)
+            if value is not None and len(value) > LOG_FIELD_CHARS:
+                setattr(record, name, f"{value[:LOG_FIELD_CHARS]}… ({len(value)} characters)")
         try:
             self._stream.write(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
         except (OSError, ValueError):

@@ -14,6 +14,9 @@ CHARS_PER_TOKEN = 4
 """Token estimate when no tokenizer runs: the usual ~4 characters per token of English BPE."""
 
 FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
+GATEWAY_ONLY_FIELDS = ("kv_transfer_params",)
+"""Body fields only the gateway may set: in vLLM's NIXL connector `kv_transfer_params` tells
+the engine which host to pull KV blocks from, so a client's copy is dropped in every mode."""
 
 
 def _text_of_content(content: Any, where: str) -> str:
@@ -91,6 +94,16 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body
+
+
+def strip_gateway_fields(body: dict[str, Any]) -> bool:
+    """Drops the client's `GATEWAY_ONLY_FIELDS` from `body`; True when there were any."""
+    found = False
+    for name in GATEWAY_ONLY_FIELDS:
+        if name in body:
+            del body[name]
+            found = True
+    return found
 
 
 def parse_request(

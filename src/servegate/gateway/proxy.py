@@ -1,8 +1,10 @@
 """Forwarding: send the original bytes to the chosen endpoint, relay the answer as it comes.
 
 Retries happen only before the first byte reaches the client: a connect error, no
-response headers within `first_byte_timeout_s`, or a 502/503 from one endpoint
-moves the request to the next fallback, after a
+response headers within `first_byte_timeout_s`, a 502/503, a redirect, or a stream
+that breaks or ends before its first `data:` line (vLLM sends a stream's headers at
+once, so a replica dying mid-prefill fails there) moves the request to the next
+fallback, after a
 jittered backoff and only while the retry budget lasts (`retry.py`). Once a
 stream has started, a failure ends it with an OpenAI-style error event and is
 counted (`servegate_upstream_errors{kind="midstream"}`). Every attempt's result
@@ -33,6 +35,10 @@ from servegate.gateway.errors import (
     GatewayError,
     UpstreamFailed,
     UpstreamTimeout,
+    clip,
+    describe,
+    for_status,
+    render,
     sse_error_event,
 )
 from servegate.gateway.logging import AccessRecord
@@ -78,9 +84,48 @@ ROUTING_HEADERS = frozenset(
 """Headers only the gateway may set: a client must not choose an address itself."""
 Route = Callable[[EndpointState, Mapping[str, str]], tuple[str, Mapping[str, str]]]
 """Per attempt: the base URL and headers for one target (data-parallel ranks behind a sidecar)."""
+REQUEST_DROP = frozenset({"content-encoding"})
+"""The gateway reads (and so decompresses) every request body; it forwards the plain bytes."""
+NO_AUTO_HEADERS = ("Accept-Encoding", "User-Agent")
+"""aiohttp adds these when absent; the replica sees only what the client sent."""
 RESPONSE_DROP = HOP_BY_HOP | {"date", "server"}
+FORWARDING_HEADERS = frozenset({"x-forwarded-for", "forwarded"})
+"""Rebuilt by the gateway with the client's address appended."""
+UPSTREAM_DROP = frozenset(
+    {
+        "set-cookie",
+        "set-cookie2",
+        "location",
+        "content-location",
+        "refresh",
+        "strict-transport-security",
+        "public-key-pins",
+        "alt-svc",
+        "x-session-token",
+        "x-gateway-destination-endpoint",
+        "x-gateway-destination-endpoint-served",
+        "x-llm-d-request-dropped-reason",
+        "x-llm-d-flow-queue-duration-ms",
+        "x-servegate-scores",
+        "x-servegate-served-model",
+    }
+)
+"""Replica response headers never relayed: cookies, redirects and policies (HSTS, CORS
+`access-control-*`, Alt-Svc) for the gateway's origin are the gateway's to set, not a
+replica's; nor the headers the gateway itself sets (routing, flow control, the session
+token), which a replica could otherwise forge."""
 RETRY_STATUSES = frozenset({502, 503})
+
+
+def refused_status(status: int) -> bool:
+    """Informational (101 switching protocols…) and redirect answers are never relayed."""
+    return status < 200 or 300 <= status < 400
+
+
 USAGE_MARK = b'"usage"'
+DATA_MARK = b"data:"
+FIRST_CONTENT_LIMIT = 64 * 1024
+"""Past this much of a stream without a `data:` line, relaying starts anyway."""
 TAIL_BYTES = 8192
 
 
@@ -120,26 +165,55 @@ def usage_from_sse_tail(tail: bytes) -> Usage | None:
     return None
 
 
+def connection_tokens(headers: Mapping[str, str]) -> frozenset[str]:
+    """The header names a `Connection` header lists: hop-by-hop too (RFC 9110 §7.6.1)."""
+    value = headers.get("Connection") or headers.get("connection") or ""
+    return frozenset(t.strip().lower() for t in value.split(",") if t.strip())
+
+
 def forward_headers(
-    incoming: Mapping[str, str], request_id: str, strip_authorization: bool
+    incoming: Mapping[str, str],
+    request_id: str,
+    strip_authorization: bool,
+    client: str | None = None,
 ) -> dict[str, str]:
+    """The request headers for the replica. `client`: the peer address, appended to
+    `X-Forwarded-For` (and to `Forwarded` when the client sent one); the entries before it
+    are the client's own word."""
     out = {}
+    named = connection_tokens(incoming)
     for name, value in incoming.items():
         lower = name.lower()
-        if lower in HOP_BY_HOP or lower in ROUTING_HEADERS:
+        if lower in HOP_BY_HOP or lower in ROUTING_HEADERS or lower in REQUEST_DROP:
+            continue
+        if lower in named or lower in FORWARDING_HEADERS:
             continue
         if strip_authorization and lower == "authorization":
             continue
         out[name] = value
+    if client:
+        chain = [v for k, v in incoming.items() if k.lower() == "x-forwarded-for"]
+        out["X-Forwarded-For"] = ", ".join([*chain, client])
+        forwarded = [v for k, v in incoming.items() if k.lower() == "forwarded"]
+        if forwarded:
+            node = f'"[{client}]"' if ":" in client else client
+            out["Forwarded"] = ", ".join([*forwarded, f"for={node}"])
     out["X-Request-ID"] = request_id
     return out
 
 
 def response_headers(upstream: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    """The replica's headers the client sees: not hop-by-hop, and none that speak for the
+    gateway's origin or that only the gateway may set (see `UPSTREAM_DROP`)."""
     out: CIMultiDict[str] = CIMultiDict()
+    named = connection_tokens(upstream)
     for name, value in upstream.items():
-        if name.lower() not in RESPONSE_DROP:
-            out.add(name, value)
+        lower = name.lower()
+        if lower in RESPONSE_DROP or lower in UPSTREAM_DROP or lower in named:
+            continue
+        if lower.startswith("access-control-"):
+            continue
+        out.add(name, value)
     return out
 
 
@@ -188,14 +262,19 @@ class Proxy:
         try:
             async with asyncio.timeout(self._settings.first_byte_timeout_s):
                 return await self._session.post(
-                    url, data=body, headers=headers, timeout=self._timeout
+                    url,
+                    data=body,
+                    headers=headers,
+                    timeout=self._timeout,
+                    allow_redirects=False,
+                    skip_auto_headers=NO_AUTO_HEADERS,
                 )
         except TimeoutError as exc:
             self._failed(state, "timeout")
             raise UpstreamTimeout(f"endpoint {state.address} did not answer in time") from exc
         except (aiohttp.ClientError, OSError) as exc:
             self._failed(state, "connect")
-            raise UpstreamFailed(f"endpoint {state.address} failed: {exc!r}") from exc
+            raise UpstreamFailed(f"endpoint {state.address} failed: {describe(exc)}") from exc
 
     def _failed(self, state: EndpointState, kind: str) -> None:
         self._metrics.upstream_errors.labels(state.address, kind).inc()
@@ -264,6 +343,15 @@ class Proxy:
                     continue
                 complete = False
                 try:
+                    if refused_status(upstream.status):
+                        # Never followed (the prompt would be re-POSTed wherever the replica
+                        # points) nor relayed (its Location names addresses behind the gateway).
+                        self._failed(state, "redirect")
+                        last_error = UpstreamFailed(
+                            f"endpoint {state.address} answered {upstream.status}; the gateway "
+                            "follows no redirects or protocol switches"
+                        )
+                        continue
                     if upstream.status >= 500:
                         self._failed(state, str(upstream.status))
                     elif self.outlier is not None:
@@ -274,6 +362,15 @@ class Proxy:
                             f"endpoint {state.address} answered {upstream.status}"
                         )
                         continue
+                    first = b""
+                    if triton is None and _opens_a_stream(upstream):
+                        try:
+                            first = await self._first_content(upstream, state)
+                        except GatewayError as exc:
+                            last_error = exc
+                            if not is_last:
+                                self._metrics.retries.labels("before_content").inc()
+                            continue
                     if triton is not None:
                         response = await self._relay_triton(
                             http_request, upstream, state, record, started,
@@ -281,8 +378,9 @@ class Proxy:
                         )  # fmt: skip
                     else:
                         response = await self._relay(
-                            http_request, upstream, state, record, started, extra_response_headers
-                        )
+                            http_request, upstream, state, record, started,
+                            extra_response_headers, first,
+                        )  # fmt: skip
                     complete = True
                     return response
                 finally:
@@ -302,15 +400,22 @@ class Proxy:
         record: AccessRecord,
         started: float,
         extra_headers: Mapping[str, str],
+        first: bytes = b"",
     ) -> web.StreamResponse:
         headers = response_headers(upstream.headers)
         headers["x-gateway-destination-endpoint"] = state.address
         headers.update(extra_headers)
         record.status = upstream.status
         if upstream.content_type == "text/event-stream":
-            return await self._relay_stream(http_request, upstream, state, record, started, headers)
-        data = await self._read(upstream, state)
+            return await self._relay_stream(
+                http_request, upstream, state, record, started, headers, first
+            )
+        data, complete = await self._read_some(upstream, state, self._settings.max_buffered_bytes)
         record.ttft_ms = (time.monotonic() - started) * 1000.0
+        if not complete:
+            return await self._relay_large(http_request, upstream, state, record, headers, data)
+        if upstream.status >= 400 and not _openai_like_error(upstream, data):
+            return _wrapped_error(upstream, state, record, headers, data)
         if USAGE_MARK in data:
             try:
                 self._note_usage(record, usage_from(orjson.loads(data)))
@@ -326,12 +431,13 @@ class Proxy:
         record: AccessRecord,
         started: float,
         headers: CIMultiDict[str],
+        first: bytes = b"",
     ) -> web.StreamResponse:
         record.stream = True
         response = web.StreamResponse(status=upstream.status, headers=headers)
         await response.prepare(http_request)
         stream = _Passthrough()
-        last = await self._pump(upstream, state, record, started, response, stream)
+        last = await self._pump(upstream, state, record, started, response, stream, first)
         if last is None:
             return response
         if USAGE_MARK in stream.tail:
@@ -347,12 +453,19 @@ class Proxy:
         started: float,
         response: web.StreamResponse,
         stream: _Reframer,
+        first: bytes = b"",
     ) -> bytes | None:
-        """Relays the upstream body through `stream`; None when the client left, else the
-        bytes left to send with the end of the response (the upstream's last read, when it
-        ended the body, so that both go out in one write)."""
+        """Relays the upstream body through `stream` (`first`: what was already read of it);
+        None when the client left, else the bytes left to send with the end of the response
+        (the upstream's last read, when it ended the body, so that both go out in one write)."""
         content = upstream.content
         try:
+            if first:
+                out = stream.feed(first)
+                record.ttft_ms = (time.monotonic() - started) * 1000.0
+                if content.at_eof():
+                    return out + stream.finish()
+                await response.write(out)
             async for data in content.iter_any():
                 out = stream.feed(data)
                 if out:
@@ -376,15 +489,101 @@ class Proxy:
             _client_left(record)
             return None
 
-    async def _read(self, upstream: aiohttp.ClientResponse, state: EndpointState) -> bytes:
+    async def _first_content(self, upstream: aiohttp.ClientResponse, state: EndpointState) -> bytes:
+        """A stream's body up to its first `data:` line, before anything reaches the client:
+        vLLM sends a stream's headers at once, so a replica that dies while prefilling fails
+        here, where the request can still move to a fallback without the client seeing a
+        byte twice. EOF with nothing, a cut connection or `first_byte_timeout_s` raise."""
+        buffer = bytearray()
+        content = upstream.content
         try:
-            return await upstream.read()
+            async with asyncio.timeout(self._settings.first_byte_timeout_s):
+                while DATA_MARK not in buffer and len(buffer) < FIRST_CONTENT_LIMIT:
+                    chunk = await content.readany()
+                    if not chunk:
+                        break
+                    buffer += chunk
+        except TimeoutError as exc:
+            self._failed(state, "timeout")
+            raise UpstreamTimeout(
+                f"endpoint {state.address} sent no stream content in time"
+            ) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            self._failed(state, "before_content")
+            raise UpstreamFailed(
+                f"endpoint {state.address} failed before its stream began: {describe(exc)}"
+            ) from exc
+        if not buffer:
+            self._failed(state, "before_content")
+            raise UpstreamFailed(f"endpoint {state.address} ended its stream empty")
+        return bytes(buffer)
+
+    async def _read_some(
+        self, upstream: aiohttp.ClientResponse, state: EndpointState, limit: int
+    ) -> tuple[bytes, bool]:
+        """The body up to just over `limit` bytes, and whether that was all of it."""
+        chunks: list[bytes] = []
+        size = 0
+        content = upstream.content
+        try:
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    return b"".join(chunks), True
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > limit:
+                    return b"".join(chunks), False
         except (aiohttp.ClientError, OSError) as exc:
             self._failed(state, "body")
             raise UpstreamFailed(f"endpoint {state.address} broke off its answer") from exc
         except TimeoutError as exc:
             self._failed(state, "timeout")
             raise UpstreamTimeout(f"endpoint {state.address} did not finish in time") from exc
+
+    async def _relay_large(
+        self,
+        http_request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        state: EndpointState,
+        record: AccessRecord,
+        headers: CIMultiDict[str],
+        head: bytes,
+    ) -> web.StreamResponse:
+        """A body over `max_buffered_bytes`: what was read, then the rest as it comes, so the
+        gateway never holds more than one chunk of it (its usage is not read)."""
+        length = upstream.content_length
+        response = web.StreamResponse(status=upstream.status, headers=headers)
+        if length is not None:
+            response.content_length = length
+        await response.prepare(http_request)
+        try:
+            await response.write(head)
+            async for data in upstream.content.iter_any():
+                await response.write(data)
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as exc:
+            # Headers are gone: the only honest signal left is a cut connection.
+            self._midstream(state, record, exc)
+            if http_request.transport is not None:
+                http_request.transport.abort()
+            return response
+        except ConnectionResetError:
+            upstream.close()
+            _client_left(record)
+            return response
+        await _end(response, record, b"")
+        return response
+
+    async def _read(self, upstream: aiohttp.ClientResponse, state: EndpointState) -> bytes:
+        limit = self._settings.max_buffered_bytes
+        data, complete = await self._read_some(upstream, state, limit)
+        if not complete:
+            self._failed(state, "too_large")
+            raise UpstreamFailed(
+                f"endpoint {state.address} answered with more than {limit} bytes, "
+                "which this answer would have to hold in memory"
+            )
+        return data
 
     async def _relay_triton(
         self,
@@ -458,7 +657,7 @@ class Proxy:
 
     def _midstream(self, state: EndpointState, record: AccessRecord, exc: BaseException) -> None:
         self._failed(state, "midstream")
-        record.error = f"midstream: {exc!r}"
+        record.error = f"midstream: {describe(exc)}"
 
     @staticmethod
     def _note_usage(record: AccessRecord, usage: Usage | None) -> None:
@@ -515,6 +714,42 @@ async def _end(response: web.StreamResponse, record: AccessRecord, last: bytes) 
 def _client_left(record: AccessRecord) -> None:
     record.status = 499
     record.error = "client disconnected"
+
+
+def _opens_a_stream(upstream: aiohttp.ClientResponse) -> bool:
+    return upstream.status < 300 and upstream.content_type == "text/event-stream"
+
+
+def _openai_like_error(upstream: aiohttp.ClientResponse, data: bytes) -> bool:
+    """A JSON object (vLLM's `{"error": …}` or its flat `{"object": "error", …}`), or a
+    compressed body the gateway cannot look into: relayed as it is."""
+    encoding = upstream.headers.get("Content-Encoding", "identity").lower()
+    if encoding not in ("", "identity"):
+        return True
+    try:
+        return isinstance(orjson.loads(data), dict)
+    except orjson.JSONDecodeError:
+        return False
+
+
+def _wrapped_error(
+    upstream: aiohttp.ClientResponse,
+    state: EndpointState,
+    record: AccessRecord,
+    headers: CIMultiDict[str],
+    data: bytes,
+) -> web.Response:
+    """A replica's error that is not JSON (a `text/plain` 500, an HTML page from a proxy in
+    front of it) as an OpenAI error body with the same status."""
+    text = " ".join(data.decode("utf-8", errors="replace").split())
+    message = f"endpoint {state.address} answered {upstream.status}"
+    if text:
+        message += f": {clip(text)}"
+    error = for_status(upstream.status, message, "upstream_error")
+    record.error = message
+    for name in ("Content-Type", "Content-Encoding", "Content-Length"):
+        headers.popall(name, None)
+    return render(error, headers)
 
 
 def _identity_encoding(headers: Mapping[str, str]) -> dict[str, str]:

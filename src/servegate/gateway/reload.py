@@ -22,13 +22,25 @@ from typing import TYPE_CHECKING, Any
 
 from servegate.config import ConfigError, ServegateConfig, load_config
 from servegate.gateway.pools import PoolRuntime
+from servegate.gateway.tenants import TenantTable
 
 if TYPE_CHECKING:
     from servegate.gateway.app import Gateway
 
 log = logging.getLogger("servegate.reload")
 
-RESTART_ONLY = ("host", "port", "probe_port", "max_header_bytes", "max_line_bytes", "max_headers")
+RESTART_ONLY = (
+    "host",
+    "port",
+    "probe_port",
+    "max_header_bytes",
+    "max_line_bytes",
+    "max_headers",
+    "idle_timeout_s",
+    "header_timeout_s",
+    "max_connections",
+    "max_connections_per_client",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +98,7 @@ class ConfigReloader:
             gw = self.gw
             old = gw.runtimes
             try:
+                tenants = TenantTable.from_config(config, gw.config_dir, previous=gw.tenants)
                 runtimes, routing = build_runtimes(config, gw.metrics, gw.config_dir, old)
             except Exception as exc:  # any build error keeps the old config
                 return self._failed(f"{type(exc).__name__}: {exc}")
@@ -98,6 +111,7 @@ class ConfigReloader:
             await _warm_up(fresh, old, config.reload.warmup_s)
             previous_config = gw.config
             gw.config = config
+            gw.tenants = tenants
             gw.runtimes = runtimes
             gw.routing = routing
             self._restart_only_changes(previous_config, config)

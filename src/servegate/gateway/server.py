@@ -22,6 +22,7 @@ from aiohttp import web
 
 from servegate.config import GatewaySettings, ServegateConfig
 from servegate.gateway.app import build_gateway, create_app
+from servegate.gateway.connections import CONNECTIONS, GuardedSite
 from servegate.gateway.reload import ConfigReloader, ConfigSource
 
 log = logging.getLogger("servegate.server")
@@ -30,11 +31,13 @@ GC_YOUNG_THRESHOLD = 10_000
 
 
 def server_options(settings: GatewaySettings) -> dict[str, Any]:
-    """aiohttp's request-parser limits: request line, header field size and header count."""
+    """aiohttp's request-parser limits (request line, header field size and header count)
+    and its keep-alive timeout (which also closes a connection that never sends a request)."""
     return {
         "max_line_size": settings.max_line_bytes,
         "max_field_size": settings.max_header_bytes,
         "max_headers": settings.max_headers,
+        "keepalive_timeout": settings.idle_timeout_s,
     }
 
 
@@ -88,10 +91,11 @@ async def serve_until_stopped(
         **server_options(config.gateway),
     )
     await runner.setup()
-    site = web.TCPSite(
+    site = GuardedSite(
         runner,
-        config.gateway.host,
-        config.gateway.port,
+        app[CONNECTIONS],
+        host=config.gateway.host,
+        port=config.gateway.port,
         backlog=4096,
         reuse_address=True,
         reuse_port=reuse_port or None,

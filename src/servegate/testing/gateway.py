@@ -10,6 +10,7 @@ from aiohttp import web
 
 from servegate.config import ServegateConfig, parse_config
 from servegate.gateway.app import GATEWAY, Gateway, build_gateway, create_app
+from servegate.gateway.connections import CONNECTIONS, GuardedSite
 from servegate.gateway.server import server_options
 
 
@@ -41,7 +42,9 @@ class GatewayRunner:
             **server_options(self.config.gateway),
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.config.gateway.port)
+        site = GuardedSite(
+            self._runner, self.app[CONNECTIONS], host=self.host, port=self.config.gateway.port
+        )
         await site.start()
         self.port = self._runner.addresses[0][1]
         return self

@@ -264,6 +264,7 @@ class EngineTokenizer:
                 data=raw,
                 headers={"Content-Type": "application/json"},
                 timeout=aiohttp.ClientTimeout(total=self.settings.timeout_s),
+                allow_redirects=False,
             ) as resp:
                 if resp.status != 200:
                     return None
