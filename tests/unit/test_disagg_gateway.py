@@ -100,7 +100,8 @@ DECIDER = PrefixBasedPDDecider()
 @pytest.mark.parametrize(
     ("mode", "plugins", "expected"),
     [
-        pytest.param("auto", {}, "gateway", id="auto-plain"),
+        # llm-d's disagg-profile-handler writes x-prefiller-host-port itself: auto is the sidecar
+        pytest.param("auto", {}, "sidecar", id="auto-plain"),
         pytest.param("auto", {"h": HEADERS_PLUGIN, "d": DECIDER}, "sidecar", id="auto-llm-d-header-plugin"),
         pytest.param("gateway", {"h": HEADERS_PLUGIN}, "gateway", id="explicit-gateway-wins"),
         pytest.param("sidecar", {}, "sidecar", id="explicit-sidecar"),
@@ -281,7 +282,8 @@ async def test_gateway_mode_runs_both_legs(http: aiohttp.ClientSession, stream: 
     if stream:
         body["stream_options"] = {"include_usage": True}
     try:
-        async with GatewayRunner(config(endpoints, disagg_picker(PD_HANDLER))) as gw:
+        cfg = config(endpoints, disagg_picker(PD_HANDLER), mode="gateway")
+        async with GatewayRunner(cfg) as gw:
             await ready(gw, 2)
             status, answer = await post(http, gw, body)
             assert status == 200
@@ -324,7 +326,7 @@ async def test_prefill_failure_falls_back_to_decode_only(
     prefill, decode = await Upstream(prefill=behaviour).start(), await Upstream().start()
     endpoints = [{"url": prefill.url, "role": "prefill"}, {"url": decode.url, "role": "decode"}]
     try:
-        cfg = config(endpoints, disagg_picker(PD_HANDLER), prefill_timeout_s=0.3)
+        cfg = config(endpoints, disagg_picker(PD_HANDLER), mode="gateway", prefill_timeout_s=0.3)
         async with GatewayRunner(cfg) as gw:
             await ready(gw, 2)
             status, answer = await post(http, gw, BODY)

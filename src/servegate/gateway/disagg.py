@@ -41,8 +41,8 @@ from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
 from servegate.scheduling.disagg import (
     DATA_PARALLEL_HEADER,
+    ENCODERS_HEADER,
     PREFILLER_HEADER,
-    DisaggHeadersHandler,
 )
 from servegate.scheduling.framework import Decision, Plugin
 from servegate.scheduling.request import LLMRequest
@@ -63,14 +63,12 @@ ONE_TOKEN_FIELDS = ("max_completion_tokens", "min_tokens")
 
 
 def resolve_mode(settings: DisaggregationSettings, plugins: Mapping[str, Plugin]) -> Mode:
-    """`auto` → sidecar when llm-d's header plugin is declared, else gateway."""
-    if settings.mode == "sidecar":
-        return "sidecar"
+    """`auto` → sidecar, llm-d's protocol: its current `disagg-profile-handler` sets
+    `x-prefiller-host-port` itself, with or without the older `disagg-headers-handler`.
+    The gateway-run NIXL legs only when `mode: gateway` says so."""
     if settings.mode == "gateway":
         return "gateway"
-    if any(isinstance(p, DisaggHeadersHandler) for p in plugins.values()):
-        return "sidecar"
-    return "gateway"
+    return "sidecar"
 
 
 def prefill_request(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -110,6 +108,8 @@ def sidecar_headers(decision: Decision) -> dict[str, str]:
     out: dict[str, str] = {}
     if decision.prefill is not None:
         out[PREFILLER_HEADER] = decision.prefill.address
+    if decision.encoders:
+        out[ENCODERS_HEADER] = ",".join(s.address for s in decision.encoders)
     if decision.primary_port is not None:
         out[DATA_PARALLEL_HEADER] = decision.endpoint.address
     return out
@@ -182,6 +182,8 @@ class Disaggregator:
                     self._metrics.disagg_fallbacks.labels(exc.reason).inc()
                 else:
                     body = orjson.dumps(decode_request(llm.body, params))
+        if decision.encoders and self.mode == "sidecar":
+            headers = {**headers, ENCODERS_HEADER: ",".join(s.address for s in decision.encoders)}
         route = (
             None if decision.primary_port is None else data_parallel_route(decision.primary_port)
         )

@@ -37,10 +37,14 @@ class PrefixSharing:
         """Hook every approximate prefix scorer of each pool's scheduler (again after a reload)."""
         scorers: dict[tuple[str, str], PrefixCacheScorer] = {}
         for pool_name, scheduler in runtimes:
-            for plugin in scheduler.plugins.values():
-                if isinstance(plugin, PrefixCacheScorer):
-                    plugin.on_insert = self._hook(pool_name, plugin.name)
-                    scorers[(pool_name, plugin.name)] = plugin
+            for name, plugin in scheduler.plugins.items():
+                inner = getattr(plugin, "source", None)  # approx-prefix-cache-producer
+                if isinstance(inner, PrefixCacheScorer):
+                    plugin = inner
+                elif not isinstance(plugin, PrefixCacheScorer) or plugin.producer is not None:
+                    continue
+                plugin.on_insert = self._hook(pool_name, name)
+                scorers[(pool_name, name)] = plugin
         self.scorers = scorers
 
     def stop(self) -> None:

@@ -108,6 +108,9 @@ class Decision:
     primary_port: int | None = None
     """Data parallelism behind a sidecar: send to this port on the chosen endpoint's host,
     naming the chosen rank (`ip:port`) in `x-data-parallel-host-port`."""
+    encoders: list[EndpointState] = field(default_factory=list)
+    """E/PD: the endpoints that encode the request's multimodal inputs, named to the
+    decode sidecar in `x-encoder-hosts-ports`; empty when no encode stage ran."""
 
     @property
     def targets(self) -> list[EndpointState]:

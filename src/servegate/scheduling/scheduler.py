@@ -178,6 +178,7 @@ class Scheduler:
         "plugins",
         "profiles",
         "stats",
+        "warnings",
     )
 
     def __init__(
@@ -194,6 +195,8 @@ class Scheduler:
         self.handler = handler
         self.plugins = dict(plugins)
         self.stats = SchedulerStats()
+        self.warnings: tuple[str, ...] = ()
+        """What the picker config asks for that servegate does differently (logged at load)."""
         timed: list[Plugin] = [handler, *self.plugins.values()]
         for profile in self.profiles.values():
             timed.extend(profile.filters)
@@ -356,4 +359,5 @@ class Scheduler:
                 for name, profile in self.profiles.items()
             ],
             "plugins": [_describe(p) for p in self.plugins.values()],
+            "warnings": list(self.warnings),
         }

@@ -1,0 +1,299 @@
+"""llm-d's data producers: plugins that compute per-request data other plugins consume.
+
+The current llm-d router splits a prefix scorer in two: a *producer* keeps the
+index and computes each endpoint's prefix match for a request; *consumers*
+(`prefix-cache-scorer`, `no-hit-lru-scorer`, `prefix-cache-affinity-filter`,
+`prefix-based-pd-decider`, `p2p-source-producer`) read it, naming the producer
+with `prefixMatchInfoProducerName` (empty = the producer declared under its
+type name, else a private default one). In servegate a producer becomes the
+data it produces:
+
+- `approx-prefix-cache-producer` owns an approximate index (what was routed
+  where) and `precise-prefix-cache-producer` a KV-event index; consumers read
+  the producer's per-cycle match fractions (`affinity.prefix_scores`), so every
+  consumer of one producer sees the same numbers, and the producer's
+  `pre_request` records each decision once;
+- `inflight-load-producer` is the pool's own in-flight request and token
+  counts, which servegate always keeps (`EndpointState.in_flight_*`);
+- `session-id-producer` names the header or cookie that carries the session id
+  (`LLMRequest.session_id` reads it);
+- `token-producer` / `tokenizer`: servegate tokenises with the pool's
+  `tokenizer` settings, so these are accepted with a warning saying so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Self
+
+from pydantic import Field, model_validator
+
+from servegate.pool.endpoint import EndpointState
+from servegate.scheduling.declared import DeclaredPlugin, ParamsModel
+from servegate.scheduling.framework import CycleState, Decision
+from servegate.scheduling.prefix.approx import ApproxPrefixParameters, PrefixCacheScorer
+from servegate.scheduling.prefix.precise import PrecisePrefixCacheScorer, PrecisePrefixParameters
+from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
+from servegate.scheduling.request import LLMRequest
+
+PRODUCER_KIND = "producer"
+
+
+class PrefixProducer:
+    """Base of the prefix producers: an inner scorer computes the match, consumers read it.
+
+    Not a `Scorer` (no `score` method): a producer cannot sit in a profile, as in llm-d.
+    """
+
+    type: ClassVar[str]
+    kind: ClassVar[str] = PRODUCER_KIND
+    source: PrefixCacheScorer | PrecisePrefixCacheScorer
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def match(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> Sequence[float]:
+        """Per endpoint: the share of the prompt's blocks it holds (tier-weighted when precise)."""
+        return self.source.score(cycle, request, endpoints)
+
+    def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None:
+        hook = getattr(self.source, "pre_request", None)
+        if hook is not None:
+            hook(request, decision, now)
+
+    def startup_warnings(self) -> list[str]:
+        return []
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class ApproxProducerParameters(ApproxPrefixParameters):
+    max_prefix_tokens_to_match: int | None = Field(None, alias="maxPrefixTokensToMatch", ge=0)
+    """llm-d: the prefix length looked at, in tokens; blocks = this / blockSizeTokens."""
+
+
+class ApproxPrefixCacheProducer(PrefixProducer):
+    """`approx-prefix-cache-producer`: servegate's approximate index as a producer.
+
+    Parameters as `prefix-cache-scorer`'s index parameters; `maxPrefixTokensToMatch`
+    (when > 0) sets the blocks looked at to `maxPrefixTokensToMatch // blockSizeTokens`,
+    as llm-d resolves it, instead of `maxPrefixBlocksToMatch`.
+    """
+
+    type: ClassVar[str] = "approx-prefix-cache-producer"
+
+    def __init__(self, name: str, params: ApproxProducerParameters) -> None:
+        super().__init__(name)
+        index = params.model_dump(by_alias=True, exclude={"max_prefix_tokens_to_match"})
+        tokens = params.max_prefix_tokens_to_match
+        if tokens:
+            index["maxPrefixBlocksToMatch"] = max(1, tokens // params.block_size_tokens)
+        self.params = params
+        self.source = PrefixCacheScorer(name, ApproxPrefixParameters.model_validate(index))
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        return cls(name, decode_parameters(ApproxProducerParameters, cls.type, name, parameters))
+
+
+class PrecisePrefixCacheProducer(PrefixProducer):
+    """`precise-prefix-cache-producer`: the KV-event index of `precise-prefix-cache-scorer`.
+
+    Same parameters; the pool's KV-event subscribers feed it (`precise_indexes`).
+    """
+
+    type: ClassVar[str] = "precise-prefix-cache-producer"
+
+    def __init__(self, name: str, params: PrecisePrefixParameters) -> None:
+        super().__init__(name)
+        self.params = params
+        self.source = PrecisePrefixCacheScorer(name, params)
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        return cls(name, decode_parameters(PrecisePrefixParameters, cls.type, name, parameters))
+
+
+def find_prefix_producer(
+    plugins: Mapping[str, object], name: str | None, parameter: str
+) -> PrefixProducer | None:
+    """The producer a consumer reads: the one named, else one declared under its type name."""
+    if name:
+        plugin = plugins.get(name)
+        if plugin is None:
+            raise ValueError(
+                f"{parameter} {name!r} names no declared plugin; declare an "
+                "approx-prefix-cache-producer or precise-prefix-cache-producer with that name"
+            )
+        if not isinstance(plugin, PrefixProducer):
+            raise ValueError(
+                f"{parameter} {name!r} is a {getattr(plugin, 'type', '?')!r}, not a prefix "
+                "producer (approx-prefix-cache-producer, precise-prefix-cache-producer)"
+            )
+        return plugin
+    for default in (ApproxPrefixCacheProducer.type, PrecisePrefixCacheProducer.type):
+        plugin = plugins.get(default)
+        if isinstance(plugin, PrefixProducer):
+            return plugin
+    return None
+
+
+# -- producers whose data servegate keeps anyway, or computes elsewhere -----------------
+
+
+class InFlightLoadProducer(DeclaredPlugin):
+    """`inflight-load-producer`: the pool's in-flight requests and tokens per endpoint.
+
+    servegate's pool counts them at dispatch and completion whether or not this
+    plugin is declared; consumers (`concurrency-detector`, `active-request-scorer`,
+    `token-load-scorer`) read `EndpointState.in_flight_requests` / `in_flight_tokens`.
+    """
+
+    __slots__ = ()
+    type: ClassVar[str] = "inflight-load-producer"
+    kind: ClassVar[str] = PRODUCER_KIND
+
+
+class SessionIDParameters(Parameters):
+    header_name: str | None = Field(None, alias="headerName", min_length=1)
+    cookie_name: str | None = Field(None, alias="cookieName", min_length=1)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Self:
+        if (self.header_name is None) == (self.cookie_name is None):
+            raise ValueError("set exactly one of headerName and cookieName")
+        return self
+
+
+class SessionIDProducer(DeclaredPlugin):
+    """`session-id-producer`: the session id from a header or a cookie of the request."""
+
+    __slots__ = ()
+    type: ClassVar[str] = "session-id-producer"
+    kind: ClassVar[str] = PRODUCER_KIND
+    parameters_model: ClassVar[ParamsModel] = SessionIDParameters
+
+    def session_id(self, headers: Mapping[str, str]) -> str | None:
+        p = self.params
+        assert isinstance(p, SessionIDParameters)
+        if p.header_name is not None:
+            return headers.get(p.header_name.lower()) or None
+        for part in headers.get("cookie", "").split(";"):
+            key, _, value = part.strip().partition("=")
+            if key == p.cookie_name and value:
+                return value
+        return None
+
+
+class VLLMTokenizer(Parameters):
+    http: str | None = None
+    url: str | None = None
+    timeout: str | int | None = None
+    mm_timeout: str | int | None = Field(None, alias="mmTimeout")
+
+
+class UDSTokenizer(Parameters):
+    socket_file: str = Field("", alias="socketFile")
+    model_name: str | None = Field(None, alias="modelName")
+
+
+class TokenizerParameters(Parameters):
+    model_name: str = Field("", alias="modelName")
+    vllm: VLLMTokenizer | None = None
+    uds_tokenizer_config: UDSTokenizer | None = Field(None, alias="udsTokenizerConfig")
+    estimate: dict[str, Any] | None = None
+
+
+class TokenizerProducer(DeclaredPlugin):
+    """`tokenizer` (formerly `token-producer`): token ids of the prompt for routing."""
+
+    __slots__ = ()
+    type: ClassVar[str] = "tokenizer"
+    kind: ClassVar[str] = PRODUCER_KIND
+    parameters_model: ClassVar[ParamsModel] = TokenizerParameters
+    unsupported: ClassVar[str] = (
+        "servegate tokenises for routing with the pool's `tokenizer` settings "
+        "(source: hf | engine | simulator | chars, docs/configuration.md), not with this "
+        "plugin; `source: engine` asks each replica's /tokenize as vllm.http/url does"
+    )
+
+
+class LegacyTokenProducer(TokenizerProducer):
+    __slots__ = ()
+    type: ClassVar[str] = "token-producer"
+
+
+class P2PSourceParameters(Parameters):
+    prefix_match_info_producer_name: str | None = Field(
+        None, alias="prefixMatchInfoProducerName", min_length=1
+    )
+    min_cached_token_delta: int = Field(1, alias="minCachedTokenDelta", ge=1)
+    prefill_profile_name: str = Field("prefill", alias="prefillProfileName", min_length=1)
+
+
+class P2PSourceProducer(DeclaredPlugin):
+    __slots__ = ()
+    type: ClassVar[str] = "p2p-source-producer"
+    kind: ClassVar[str] = PRODUCER_KIND
+    parameters_model: ClassVar[ParamsModel] = P2PSourceParameters
+    unsupported: ClassVar[str] = (
+        "servegate does not yet send the x-kv-cache-source-host-port hint to the routing "
+        "sidecar; replicas recompute blocks another replica holds"
+    )
+
+
+class BurstPrefixParameters(Parameters):
+    window_duration_ms: int = Field(0, alias="windowDurationMs", ge=0)
+    max_per_replica: int = Field(0, alias="maxPerReplica")
+    min_colocate_blocks: int = Field(0, alias="minColocateBlocks", ge=0)
+
+
+class BurstPrefixCacheProducer(PrefixProducer):
+    """`burst-prefix-cache-producer`: a prefix producer; here its match is the approximate
+    index's (default parameters), without llm-d's burst co-location of new prefixes."""
+
+    type: ClassVar[str] = "burst-prefix-cache-producer"
+
+    def __init__(self, name: str, params: BurstPrefixParameters) -> None:
+        super().__init__(name)
+        self.params = params
+        self.source = PrefixCacheScorer(name, ApproxPrefixParameters.model_validate({}))
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        return cls(name, decode_parameters(BurstPrefixParameters, cls.type, name, parameters))
+
+    def startup_warnings(self) -> list[str]:
+        return [
+            f"plugin {self.name!r} (type {self.type!r}): burst co-location of new prefixes is "
+            "not implemented; consumers read the approximate prefix index (what was routed "
+            "where) instead; prefix-cache-scorer's `coldPlacement: hash` places a new prefix "
+            "consistently"
+        ]
+
+
+class MMCacheParameters(Parameters):
+    cache_size_in_mb: int = Field(0, alias="cacheSizeInMB", ge=0)
+
+
+class MMEmbeddingsCacheProducer(DeclaredPlugin):
+    __slots__ = ()
+    type: ClassVar[str] = "mm-embeddings-cache-producer"
+    kind: ClassVar[str] = PRODUCER_KIND
+    parameters_model: ClassVar[ParamsModel] = MMCacheParameters
+    unsupported: ClassVar[str] = (
+        "servegate does not track multimodal embedding caches; no servegate plugin reads them"
+    )
+
+
+PRODUCERS: tuple[type[DeclaredPlugin], ...] = (
+    InFlightLoadProducer,
+    SessionIDProducer,
+    TokenizerProducer,
+    LegacyTokenProducer,
+    P2PSourceProducer,
+    MMEmbeddingsCacheProducer,
+)
