@@ -435,3 +435,30 @@ def test_data_parallel_ranks_of_one_pod_are_separate_endpoints() -> None:
     # one host, four ports: four endpoints
     assert {e.host for e in endpoints} == {"10.0.0.5"}
     assert [e.address for e in endpoints] == [f"10.0.0.5:{p}" for p in (8200, 8201, 8202, 8203)]
+
+
+async def test_stock_llmd_pd_config_uses_the_sidecar_protocol(http: aiohttp.ClientSession) -> None:
+    """llm-d's disagg-profile-handler alone (no headers handler, no `disaggregation:`):
+    one request to the decode replica naming the prefill replica, as llm-d's sidecar expects;
+    client-sent routing headers never reach a replica."""
+    prefill, decode = await Upstream().start(), await Upstream().start()
+    endpoints = [{"url": prefill.url, "role": "prefill"}, {"url": decode.url, "role": "decode"}]
+    try:
+        async with GatewayRunner(config(endpoints, disagg_picker(PD_HANDLER))) as gw:
+            await ready(gw, 2)
+            forged = {
+                "x-prefiller-host-port": "10.9.9.9:1",
+                "x-encoder-hosts-ports": "10.9.9.9:2",
+                "x-kv-cache-source-host-port": "10.9.9.9:3",
+            }
+            status, _ = await post(http, gw, BODY, **forged)
+            assert status == 200
+            assert prefill.calls == []
+            (call,) = decode.calls
+            assert call.body == BODY
+            assert call.headers["x-prefiller-host-port"] == prefill.address
+            assert "x-encoder-hosts-ports" not in call.headers
+            assert "x-kv-cache-source-host-port" not in call.headers
+    finally:
+        await prefill.stop()
+        await decode.stop()
