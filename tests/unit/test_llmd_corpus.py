@@ -135,3 +135,30 @@ def test_corpus_file(key: str, path: Path) -> None:
             load(path)
         pytest.xfail(REFUSED.get(key, "listed in GAPS: not loadable yet"))
     load(path)
+
+
+def _counts() -> dict[str, tuple[int, int, int, int, int]]:
+    """Per folder: files, valid, loading, waiting for issue 21, refused on purpose.
+
+    `loading` follows from the lists: `test_corpus_file` checks that every valid file
+    loads unless listed, and that every listed one does not."""
+    out: dict[str, list[int]] = {}
+    for key, path in FILES:
+        row = out.setdefault(key.split("/")[0], [0, 0, 0, 0, 0])
+        row[0] += 1
+        if _kind(path) != "valid":
+            continue
+        row[1] += 1
+        row[2] += key not in LATENCY and key not in REFUSED and key not in GAPS
+        row[3] += key in LATENCY
+        row[4] += key in REFUSED
+    return {folder: (a, b, c, d, e) for folder, (a, b, c, d, e) in out.items()}
+
+
+def test_the_docs_state_the_measured_counts() -> None:
+    if not CORPUS.is_dir():
+        pytest.skip(f"no llm-d config corpus at {CORPUS}")
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "plugins.md").read_text()
+    for folder, (files, valid, loading, latency, refused) in _counts().items():
+        row = f"| `{folder}/` | {files} | {valid} | **{loading}** | {latency} | {refused} |"
+        assert row in docs, row
