@@ -663,3 +663,98 @@ def test_the_sidecar_gets_the_encoders() -> None:
     encoders = [endpoint_state("10.0.0.1:8000"), endpoint_state("[fd00::1]:8000")]
     headers = sidecar_headers(Decision(decode, [], encoders=encoders))
     assert headers == {"x-encoder-hosts-ports": "10.0.0.1:8000,[fd00::1]:8000"}
+
+
+# -- p2p-source-producer ------------------------------------------------------------------------
+
+P2P = """\
+plugins:
+- type: approx-prefix-cache-producer
+  parameters: {blockSizeTokens: 16, autoTune: false}
+- type: prefix-cache-scorer
+  parameters: {prefixMatchInfoProducerName: approx-prefix-cache-producer}
+- type: queue-scorer
+- type: p2p-source-producer
+  parameters: {prefixMatchInfoProducerName: approx-prefix-cache-producer, minCachedTokenDelta: %d}
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - {pluginRef: prefix-cache-scorer, weight: 1}
+  - {pluginRef: queue-scorer, weight: 10}
+  - {pluginRef: max-score-picker}
+"""
+
+
+def test_p2p_source_names_the_peer_that_holds_the_prompt() -> None:
+    scheduler = load(P2P % 16)
+    producer = scheduler.plugins["approx-prefix-cache-producer"]
+    assert isinstance(producer, PrefixProducer)
+    holder, idle, busy = (
+        endpoint_state("10.0.0.1:8000", waiting=10),
+        endpoint_state("10.0.0.2:8000", waiting=0),
+        endpoint_state("10.0.0.3:8000", waiting=5),
+    )
+    states = [holder, idle, busy]
+    req = request(160)
+    producer.source.index.insert(holder.address, producer.source.block_keys(req))
+    decision = decide(scheduler, req, states)
+    assert decision.endpoint is idle  # the queue outvotes the prefix
+    scheduler.pre_request(req, decision, 1.0)
+    assert decision.upstream_headers == {"x-kv-cache-source-host-port": holder.address}
+    # the decision was recorded after the hint was computed: idle now holds the prompt
+    again = request(160)
+    second = decide(scheduler, again, states)
+    scheduler.pre_request(again, second, 1.0)
+    assert second.endpoint is idle and second.upstream_headers == {}
+
+
+def test_p2p_source_needs_the_minimum_token_delta() -> None:
+    scheduler = load(P2P % 161)
+    producer = scheduler.plugins["approx-prefix-cache-producer"]
+    assert isinstance(producer, PrefixProducer)
+    states = [endpoint_state("10.0.0.1:8000", waiting=10), endpoint_state("10.0.0.2:8000")]
+    req = request(160)
+    producer.source.index.insert(states[0].address, producer.source.block_keys(req))
+    decision = decide(scheduler, req, states)
+    scheduler.pre_request(req, decision, 1.0)
+    assert decision.endpoint is states[1] and decision.upstream_headers == {}
+
+
+async def test_the_gateway_sends_the_p2p_source_to_the_replica() -> None:
+    import aiohttp
+    from tests.unit.test_disagg_gateway import MODEL, Upstream, config, ready
+
+    from servegate.testing.gateway import GatewayRunner
+
+    first, second = await Upstream().start(), await Upstream().start()
+    picker = yaml.safe_load(
+        HEAD + "plugins:\n- type: approx-prefix-cache-producer\n"
+        "  parameters: {blockSizeTokens: 16, autoTune: false}\n"
+        "- type: prefix-cache-scorer\n- type: header-label-affinity-scorer\n"
+        "  parameters: {headerName: x-zone, labelKey: zone}\n- type: p2p-source-producer\n"
+        "- type: max-score-picker\nschedulingProfiles:\n- name: default\n  plugins:\n"
+        "  - {pluginRef: prefix-cache-scorer, weight: 1}\n"
+        "  - {pluginRef: header-label-affinity-scorer, weight: 10}\n"
+        "  - {pluginRef: max-score-picker}\n"
+    )
+    endpoints = [
+        {"url": first.url, "labels": {"zone": "a"}},
+        {"url": second.url, "labels": {"zone": "b"}},
+    ]
+    body = {"model": MODEL, "prompt": "a long shared document " * 40, "max_tokens": 2}
+    try:
+        async with GatewayRunner(config(endpoints, picker)) as gw, aiohttp.ClientSession() as http:
+            await ready(gw, 2)
+            for zone in ("a", "b"):
+                async with http.post(
+                    gw.url + "/v1/completions", json=body, headers={"x-zone": zone}
+                ) as resp:
+                    assert resp.status == 200
+        (call_a,) = first.calls
+        (call_b,) = second.calls
+        assert "x-kv-cache-source-host-port" not in call_a.headers
+        assert call_b.headers["x-kv-cache-source-host-port"] == first.address
+    finally:
+        await first.stop()
+        await second.stop()

@@ -297,6 +297,8 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         upstream_headers = forward_headers(
             request.headers, rid, strip_authorization=bool(gw.config.gateway.api_keys)
         )
+        if decision.upstream_headers:
+            upstream_headers.update(decision.upstream_headers)
         if llm.target_model != llm.model:
             llm.body["model"] = llm.target_model
             body = orjson.dumps(llm.body)

@@ -17,15 +17,19 @@ data it produces:
   counts, which servegate always keeps (`EndpointState.in_flight_*`);
 - `session-id-producer` names the header or cookie that carries the session id
   (`LLMRequest.session_id` reads it);
+- `p2p-source-producer` names, in `x-kv-cache-source-host-port`, a peer that holds
+  more of the prompt than the computing endpoint, for the sidecar's P2P KV pull;
 - `token-producer` / `tokenizer`: servegate tokenises with the pool's
   `tokenizer` settings, so these are accepted with a warning saying so.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Self
 
+import xxhash
 from pydantic import Field, model_validator
 
 from servegate.pool.endpoint import EndpointState
@@ -234,15 +238,84 @@ class P2PSourceParameters(Parameters):
     prefill_profile_name: str = Field("prefill", alias="prefillProfileName", min_length=1)
 
 
+KV_CACHE_SOURCE_HEADER = "x-kv-cache-source-host-port"
+
+
 class P2PSourceProducer(DeclaredPlugin):
-    __slots__ = ()
+    """`p2p-source-producer`: names a peer that holds more of the prompt, for a P2P KV pull.
+
+    After the decision, each endpoint the cycle ranked gets its cached prompt tokens
+    from the prefix producer (`prefixMatchInfoProducerName`, else the one declared
+    under its type name, else the only prefix scorer): match share × prompt tokens.
+    The source is drawn among the endpoints within one block of the most cached,
+    weighted by `1/(1 + waiting)`, with the request id's hash as the draw (so a
+    widely cached prefix does not pull from one replica only). The computing
+    endpoint is the prefill endpoint when there is one, else the target. The header
+    `x-kv-cache-source-host-port: ip:port` is set only when the source holds at least
+    `minCachedTokenDelta` more cached tokens than the computing endpoint.
+    With the precise producer the match is tier-weighted (GPU 1, CPU 0.8 by default);
+    llm-d counts only CPU-tier blocks when it has per-tier data.
+    """
+
+    __slots__ = ("block_size", "source")
     type: ClassVar[str] = "p2p-source-producer"
+    reads_before_records: ClassVar[bool] = True
+    """Its `pre_request` runs before the hooks that record the decision in an index."""
     kind: ClassVar[str] = PRODUCER_KIND
     parameters_model: ClassVar[ParamsModel] = P2PSourceParameters
-    unsupported: ClassVar[str] = (
-        "servegate does not yet send the x-kv-cache-source-host-port hint to the routing "
-        "sidecar; replicas recompute blocks another replica holds"
-    )
+
+    def __init__(self, name: str | None = None, params: Parameters | None = None) -> None:
+        super().__init__(name, params)
+        self.source: Any = None
+        self.block_size = 16
+
+    def bind_plugins(self, plugins: Mapping[str, Any]) -> None:
+        from servegate.scheduling.affinity import find_prefix_scorer
+
+        p = self.params
+        assert isinstance(p, P2PSourceParameters)
+        self.source = find_prefix_scorer(
+            self.type, plugins, p.prefix_match_info_producer_name, "prefixMatchInfoProducerName"
+        )
+        params = getattr(self.source, "params", None)
+        size = getattr(params, "block_size_tokens", None)
+        if not isinstance(size, int):
+            size = getattr(self.source, "default_block_size", None)
+        self.block_size = size if isinstance(size, int) and size > 0 else 16
+
+    def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None:
+        p = self.params
+        assert isinstance(p, P2PSourceParameters)
+        decision.upstream_headers.pop(KV_CACHE_SOURCE_HEADER, None)
+        if self.source is None or request.prompt_tokens <= 0:
+            return
+        seen: dict[str, EndpointState] = {}
+        for result in decision.results.values():
+            for state in result.ranked:
+                seen.setdefault(state.address, state)
+        computing = decision.prefill or decision.endpoint
+        seen.setdefault(computing.address, computing)
+        states = list(seen.values())
+        cycle = CycleState(now, random.Random(0))
+        shares = self.source.score(cycle, request, states)
+        cached = {
+            s.address: round(min(1.0, max(0.0, x)) * request.prompt_tokens)
+            for s, x in zip(states, shares, strict=True)
+        }
+        best = max(cached.values())
+        band = [s for s in states if cached[s.address] >= best - self.block_size]
+        weights = [1.0 / (1.0 + max(0.0, s.metrics.waiting)) for s in band]
+        point = (xxhash.xxh3_64_intdigest(request.request_id.encode()) / 2**64) * sum(weights)
+        chosen = band[-1]
+        for state, weight in zip(band, weights, strict=True):
+            point -= weight
+            if point < 0:
+                chosen = state
+                break
+        if chosen is computing:
+            return
+        if cached[chosen.address] - cached[computing.address] >= p.min_cached_token_delta:
+            decision.upstream_headers[KV_CACHE_SOURCE_HEADER] = chosen.address
 
 
 class BurstPrefixParameters(Parameters):

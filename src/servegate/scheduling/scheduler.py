@@ -205,7 +205,9 @@ class Scheduler:
         for plugin in timed:
             self.stats.plugins.setdefault(plugin.name, PluginTiming())
         self._timings = self.stats.plugins
-        self._hooks_pre = [p for p in self.plugins.values() if isinstance(p, PreRequest)]
+        pre = [p for p in self.plugins.values() if isinstance(p, PreRequest)]
+        # plugins that read what the indexes held before this decision go first
+        self._hooks_pre = sorted(pre, key=lambda p: not getattr(p, "reads_before_records", False))
         self._hooks_complete = [p for p in self.plugins.values() if isinstance(p, ResponseComplete)]
         for hook in (*self._hooks_pre, *self._hooks_complete):
             self.stats.hooks.setdefault(hook.name, PluginTiming())
