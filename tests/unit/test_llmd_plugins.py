@@ -758,3 +758,99 @@ async def test_the_gateway_sends_the_p2p_source_to_the_replica() -> None:
     finally:
         await first.stop()
         await second.stop()
+
+
+def test_config_check_lists_the_warnings(tmp_path: Any) -> None:
+    import orjson
+    from typer.testing import CliRunner
+
+    from servegate.cli import app
+
+    (tmp_path / "picker.yaml").write_text(
+        HEAD + "plugins:\n- type: dcgm-data-source\n- type: queue-scorer\n"
+        "dataLayer: {sources: [{pluginRef: dcgm-data-source}]}\n"
+    )
+    (tmp_path / "servegate.yaml").write_text(
+        "pool:\n  endpoints: [{url: 'http://127.0.0.1:9'}]\npicker: picker.yaml\n"
+    )
+    result = CliRunner().invoke(app, ["config", "check", str(tmp_path / "servegate.yaml")])
+    assert result.exit_code == 0, result.output
+    out = orjson.loads(result.stdout[result.stdout.index("{") :])
+    (warning,) = out["resolved_profiles"]["warnings"]
+    assert "'dcgm-data-source'" in warning and "DCGM" in warning
+
+
+WARNED = {
+    "burst-prefix-cache-producer": "",
+    "tokenizer": "",
+    "token-producer": "",
+    "mm-embeddings-cache-producer": "",
+    "mm-embeddings-cache-scorer": "",
+    "anthropic-parser": "",
+    "vllmhttp-parser": "",
+    "sglanghttp-parser": "",
+    "passthrough-parser": "",
+    "vllmgrpc-parser": "",
+    "vertexai-parser": "",
+    "k8s-notification-source": "",
+    "dcgm-data-source": "",
+    "dcgm-extractor": "",
+    "topology-extractor": "",
+    "file-discovery": "{path: /x}",
+    "global-strict-fairness-policy": "",
+    "program-aware-fairness": "",
+    "edf-ordering-policy": "",
+    "slo-deadline-ordering-policy": "",
+    "static-usage-limit-policy": "",
+    "soft-reflective-ceiling-policy": "",
+    "priority-holdback-policy": "",
+    "sheddable-eviction-filter": "",
+    "priority-then-time-eviction-order-policy": "",
+    "endpoint-attribute-filter": (
+        "{attribute: a, algorithm: {type: threshold, threshold: {operator: Equal, value: 1}}}"
+    ),
+    "endpoint-attribute-scorer": "{attributeKey: a, algorithm: {}}",
+    "topology-affinity-filter": "",
+    "topology-affinity-scorer": "",
+    "agent-identity": "",
+    "request-attribute-reporter": "",
+    "disaggregatedset-rollout-screener": "",
+    "multicluster-queue-scorer": "",
+    "multicluster-kv-cache-utilization-scorer": "",
+    "multicluster-session-affinity-filter": "",
+    "multicluster-metrics-data-source": "",
+    "multicluster-metrics-extractor": "",
+    "multicluster-file-discovery": "{path: /x}",
+}
+IMPLEMENTED = (
+    "approx-prefix-cache-producer",
+    "precise-prefix-cache-producer",
+    "inflight-load-producer",
+    "openai-parser",
+    "metrics-data-source",
+    "core-metrics-extractor",
+    "models-data-source",
+    "models-data-extractor",
+    "endpoint-notification-source",
+    "round-robin-fairness-policy",
+    "fcfs-ordering-policy",
+    "probabilistic-admitter",
+    "encode-filter",
+    "context-length-aware",
+    "session-affinity-filter",
+)
+
+
+@pytest.mark.parametrize("plugin_type", sorted(WARNED))
+def test_an_accepted_plugin_warns_once_naming_itself(plugin_type: str) -> None:
+    params = WARNED[plugin_type]
+    text = f"plugins:\n- type: {plugin_type}\n" + (f"  parameters: {params}\n" if params else "")
+    scheduler = load(text + "- type: queue-scorer\n")
+    mine = [w for w in scheduler.warnings if f"'{plugin_type}'" in w]
+    assert len(mine) == 1, scheduler.warnings
+
+
+@pytest.mark.parametrize("plugin_type", IMPLEMENTED)
+def test_an_implemented_plugin_loads_without_warnings(plugin_type: str) -> None:
+    scheduler = load(f"plugins:\n- type: {plugin_type}\n- type: queue-scorer\n")
+    assert scheduler.warnings == ()
