@@ -854,3 +854,76 @@ def test_an_accepted_plugin_warns_once_naming_itself(plugin_type: str) -> None:
 def test_an_implemented_plugin_loads_without_warnings(plugin_type: str) -> None:
     scheduler = load(f"plugins:\n- type: {plugin_type}\n- type: queue-scorer\n")
     assert scheduler.warnings == ()
+
+
+# -- vLLM's single-API-server data parallelism ---------------------------------------------------
+
+DP_METRICS = "".join(
+    f'vllm:{name}{{engine="{rank}",model_name="m"}} {value}\n'
+    for rank, waiting, running in ((0, 3.0, 4.0), (1, 0.0, 2.0), (2, 5.0, 0.0))
+    for name, value in (("num_requests_waiting", waiting), ("num_requests_running", running))
+)
+
+
+def test_vllm_metrics_give_the_load_of_each_rank() -> None:
+    from servegate.datalayer.metrics_parser import MetricsParser
+    from servegate.engines.vllm import SPEC
+
+    metrics = MetricsParser(SPEC).parse(DP_METRICS, 1.0).metrics
+    assert metrics.rank_load == {0: 7.0, 1: 2.0, 2: 5.0}
+    assert (metrics.waiting, metrics.running) == (8.0, 6.0)
+    one = 'vllm:num_requests_waiting{engine="0",model_name="m"} 1\n'
+    assert MetricsParser(SPEC).parse(one, 1.0).metrics.rank_load is None
+
+
+def test_rank_header_route_names_the_least_loaded_rank() -> None:
+    from servegate.gateway.disagg import rank_header_route
+
+    state = endpoint_state("10.0.0.1:8000")
+    assert rank_header_route(state, {"a": "b"}) == ("http://10.0.0.1:8000", {"a": "b"})
+    state.metrics.rank_load = {0: 7.0, 1: 2.0, 2: 2.0}
+    assert rank_header_route(state, {})[1] == {"X-data-parallel-rank": "1"}
+
+
+def test_rank_header_and_primary_port_do_not_mix() -> None:
+    with pytest.raises(PickerConfigError, match="two different deployments"):
+        load(
+            "plugins:\n- type: data-parallel-profile-handler\n"
+            "  parameters: {rankHeader: true, primaryPort: 8000}\n"
+        )
+    handler = load(
+        "plugins:\n- type: data-parallel-profile-handler\n  parameters: {rankHeader: true}\n"
+    )
+    decision = decide(handler, request(), eps(2))
+    assert decision.rank_header and decision.primary_port is None
+
+
+async def test_the_gateway_pins_the_rank_behind_one_api_server() -> None:
+    import aiohttp
+    from aiohttp import web
+    from tests.unit.test_disagg_gateway import MODEL, Upstream, config, ready
+
+    from servegate.testing.gateway import GatewayRunner
+
+    class DPUpstream(Upstream):
+        async def _metrics(self, request: web.Request) -> web.Response:
+            return web.Response(text=DP_METRICS.replace('model_name="m"', f'model_name="{MODEL}"'))
+
+    server = await DPUpstream().start()
+    picker = yaml.safe_load(
+        HEAD + "plugins:\n- type: data-parallel-profile-handler\n  parameters: {rankHeader: true}\n"
+        "- type: queue-scorer\n"
+    )
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    try:
+        async with GatewayRunner(config([{"url": server.url}], picker)) as gw:
+            await ready(gw, 1)
+            async with aiohttp.ClientSession() as http:
+                forged = {"X-data-parallel-rank": "2"}
+                async with http.post(gw.url + "/v1/completions", json=body, headers=forged) as r:
+                    assert r.status == 200
+        (call,) = server.calls
+        assert call.headers["x-data-parallel-rank"] == "1"
+        assert "x-data-parallel-host-port" not in call.headers
+    finally:
+        await server.stop()

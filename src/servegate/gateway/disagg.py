@@ -41,8 +41,10 @@ from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
 from servegate.scheduling.disagg import (
     DATA_PARALLEL_HEADER,
+    DATA_PARALLEL_RANK_HEADER,
     ENCODERS_HEADER,
     PREFILLER_HEADER,
+    least_loaded_rank,
 )
 from servegate.scheduling.framework import Decision, Plugin
 from servegate.scheduling.request import LLMRequest
@@ -103,6 +105,16 @@ def data_parallel_route(primary_port: int) -> Route:
     return route
 
 
+def rank_header_route(
+    state: EndpointState, headers: Mapping[str, str]
+) -> tuple[str, Mapping[str, str]]:
+    """Each attempt to its endpoint's own URL, naming its least-loaded data-parallel rank."""
+    rank = least_loaded_rank(state)
+    if rank is None:
+        return state.endpoint.url, headers
+    return state.endpoint.url, {**headers, DATA_PARALLEL_RANK_HEADER: str(rank)}
+
+
 def sidecar_headers(decision: Decision) -> dict[str, str]:
     """The headers llm-d's sidecar protocol adds for `decision` (for any data plane)."""
     out: dict[str, str] = {}
@@ -144,7 +156,11 @@ class Disaggregator:
 
     @staticmethod
     def handles(decision: Decision) -> bool:
-        return decision.pd_decision is not None or decision.primary_port is not None
+        return (
+            decision.pd_decision is not None
+            or decision.primary_port is not None
+            or decision.rank_header
+        )
 
     async def forward(
         self,
@@ -184,9 +200,11 @@ class Disaggregator:
                     body = orjson.dumps(decode_request(llm.body, params))
         if decision.encoders and self.mode == "sidecar":
             headers = {**headers, ENCODERS_HEADER: ",".join(s.address for s in decision.encoders)}
-        route = (
-            None if decision.primary_port is None else data_parallel_route(decision.primary_port)
-        )
+        route: Route | None = None
+        if decision.primary_port is not None:
+            route = data_parallel_route(decision.primary_port)
+        elif decision.rank_header:
+            route = rank_header_route
         return await self._proxy.forward(
             http_request,
             decision.targets,

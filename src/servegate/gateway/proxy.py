@@ -74,6 +74,7 @@ ROUTING_HEADERS = frozenset(
         "x-prefiller-host-port",
         "x-encoder-hosts-ports",
         "x-data-parallel-host-port",
+        "x-data-parallel-rank",
         "x-kv-cache-source-host-port",
     }
 )

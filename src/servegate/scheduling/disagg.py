@@ -55,6 +55,19 @@ from servegate.scheduling.request import LLMRequest, RequestKind
 PREFILLER_HEADER = "x-prefiller-host-port"
 ENCODERS_HEADER = "x-encoder-hosts-ports"
 DATA_PARALLEL_HEADER = "x-data-parallel-host-port"
+DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"
+"""vLLM's header choosing the data-parallel rank behind a single API server."""
+
+
+def least_loaded_rank(state: EndpointState) -> int | None:
+    """The rank with the fewest waiting + running requests (lowest rank on ties); None
+    when the endpoint's metrics show a single rank."""
+    load = state.metrics.rank_load
+    if not load:
+        return None
+    return min(load, key=lambda rank: (load[rank], rank))
+
+
 DECODE_ONLY = "decode-only"
 PREFILL_DECODE = "prefill-decode"
 DEFAULT_DECODE_PROFILE = "decode"
@@ -593,22 +606,43 @@ class PdProfileHandler(DisaggProfileHandler):
 
 class DataParallelParameters(Parameters):
     primary_port: int = Field(DEFAULT_DP_PRIMARY_PORT, alias="primaryPort", ge=1, le=65535)
+    rank_header: bool = Field(False, alias="rankHeader")
+    """servegate: vLLM's single-API-server data parallelism (`--data-parallel-size N`,
+    one API server): the request goes to the endpoint's own URL with
+    `X-data-parallel-rank` naming its least-loaded rank; `primaryPort` is not used."""
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> Self:
+        if self.rank_header and "primary_port" in self.model_fields_set:
+            raise ValueError(
+                "rankHeader (ranks behind one API server) and primaryPort (a sidecar in front "
+                "of rank ports) are two different deployments; keep one"
+            )
+        return self
 
 
 class DataParallelProfileHandler:
-    """`data-parallel-profile-handler`: one profile picks a rank; the sidecar on `primaryPort` serves it."""
+    """`data-parallel-profile-handler`: one profile picks a rank; the sidecar on `primaryPort`
+    serves it. With `rankHeader` (servegate) the profile picks an API server and the
+    gateway names its least-loaded data-parallel rank in `X-data-parallel-rank`."""
 
-    __slots__ = ("name", "primary_port")
+    __slots__ = ("name", "primary_port", "rank_header")
     type: ClassVar[str] = "data-parallel-profile-handler"
 
-    def __init__(self, name: str | None = None, primary_port: int = DEFAULT_DP_PRIMARY_PORT):
+    def __init__(
+        self,
+        name: str | None = None,
+        primary_port: int = DEFAULT_DP_PRIMARY_PORT,
+        rank_header: bool = False,
+    ):
         self.name = name or self.type
         self.primary_port = primary_port
+        self.rank_header = rank_header
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
         p = decode_parameters(DataParallelParameters, cls.type, name, parameters)
-        return cls(name, p.primary_port)
+        return cls(name, p.primary_port, p.rank_header)
 
     def check_profiles(self, profiles: Mapping[str, SchedulerProfile]) -> None:
         if len(profiles) != 1:
@@ -640,7 +674,8 @@ class DataParallelProfileHandler:
                 fallbacks=result.ranked[1:],
                 profile=name,
                 results={name: result},
-                primary_port=self.primary_port,
+                primary_port=None if self.rank_header else self.primary_port,
+                rank_header=self.rank_header,
             )
         return None
 
