@@ -424,7 +424,7 @@ def test_docs_examples_load(example: str) -> None:
 
 
 def test_docs_have_both_kinds_of_example() -> None:
-    assert sum("kind: EndpointPickerConfig" in e for e in EXAMPLES) == 2
+    assert sum("kind: EndpointPickerConfig" in e for e in EXAMPLES) == 3
     assert sum("pool:" in e for e in EXAMPLES) == 2
 
 
