@@ -927,3 +927,36 @@ async def test_the_gateway_pins_the_rank_behind_one_api_server() -> None:
         assert "x-data-parallel-host-port" not in call.headers
     finally:
         await server.stop()
+
+
+def test_the_pd_decider_counts_cpu_offloaded_blocks_in_full() -> None:
+    """llm-d's decider counts cached blocks unweighted: three blocks offloaded to CPU
+    save 12 of 16 prompt tokens, not 0.8 × 12."""
+    from servegate.datalayer.kvevents.events import BlockStored, EventBatch
+
+    scheduler = load(
+        "plugins:\n- type: prefill-filter\n- type: decode-filter\n"
+        "- type: precise-prefix-cache-producer\n"
+        "  parameters: {tokenProcessorConfig: {blockSizeTokens: 4}}\n"
+        "- type: prefix-based-pd-decider\n"
+        "  parameters: {nonCachedTokens: 5, prefixMatchInfoProducerName: "
+        "precise-prefix-cache-producer}\n"
+        "- type: disagg-profile-handler\n"
+        "  parameters: {deciders: {prefill: prefix-based-pd-decider}}\n"
+        "schedulingProfiles:\n- name: prefill\n  plugins: [{pluginRef: prefill-filter}]\n"
+        "- name: decode\n  plugins: [{pluginRef: decode-filter}]\n"
+    )
+    prefill = endpoint_state("10.0.0.1:8000", labels={ROLE_LABEL: "prefill"})
+    decode = endpoint_state("10.0.0.2:8000", labels={ROLE_LABEL: "decode"})
+    producer = scheduler.plugins["precise-prefix-cache-producer"]
+    assert isinstance(producer, PrefixProducer)
+    tokens = list(range(100, 116))
+    event = BlockStored([1, 2, 3], None, tokens[:12], 4, None, None, "CPU")
+    producer.source.index.apply(decode.address, EventBatch(0.0, [event]))
+    req = request(16)
+    req.cache["token_ids"] = tokens
+    # weighted: 16 − round(0.8 · 3/4 · 16) = 6 ≥ 5 would disaggregate; unweighted 4 < 5
+    assert decide(scheduler, req, [prefill, decode]).pd_decision == DECODE_ONLY
+    cold = request(16)
+    cold.cache["token_ids"] = list(range(500, 516))
+    assert decide(scheduler, cold, [prefill, decode]).pd_decision == PREFILL_DECODE

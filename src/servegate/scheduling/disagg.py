@@ -120,6 +120,30 @@ def cached_fraction(
     return best if best < 1.0 else 1.0
 
 
+def precise_cached_tokens(
+    request: LLMRequest, scorers: Sequence[Scorer], endpoint: EndpointState
+) -> int:
+    """Prompt tokens `endpoint` holds by a precise index, in any tier and unweighted (as
+    llm-d's decider counts them: a block offloaded to CPU still saves its whole prefill)."""
+    from servegate.scheduling.prefix.precise import PrecisePrefixCacheScorer
+
+    tokens = request.cache.get("token_ids")
+    if tokens is None:
+        return 0
+    best = 0
+    for scorer in scorers:
+        source: object = scorer
+        producer = getattr(scorer, "producer", None)
+        if producer is not None:
+            source = getattr(producer, "source", scorer)
+        if not isinstance(source, PrecisePrefixCacheScorer):
+            continue
+        index = source.index
+        size = index.block_size(endpoint.address) or 0
+        best = max(best, index.matched_blocks(endpoint.address, tokens, request.lora) * size)
+    return best
+
+
 class PrefixDeciderParameters(Parameters):
     non_cached_tokens: int = Field(0, alias="nonCachedTokens", ge=0)
     prompt_tokens: int = Field(0, alias="promptTokens", ge=0)
@@ -186,7 +210,8 @@ class PrefixBasedPDDecider:
 
     def uncached_tokens(self, cycle: CycleState, request: LLMRequest, decode: EndpointState) -> int:
         n = request.prompt_tokens
-        return n - round(cached_fraction(cycle, request, self.scorers, decode) * n)
+        cached = round(cached_fraction(cycle, request, self.scorers, decode) * n)
+        return n - max(cached, min(n, precise_cached_tokens(request, self.scorers, decode)))
 
     def disaggregate(self, cycle: CycleState, request: LLMRequest, decode: EndpointState) -> bool:
         threshold = self.non_cached_tokens
