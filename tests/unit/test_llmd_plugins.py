@@ -901,7 +901,7 @@ def test_rank_header_and_primary_port_do_not_mix() -> None:
 async def test_the_gateway_pins_the_rank_behind_one_api_server() -> None:
     import aiohttp
     from aiohttp import web
-    from tests.unit.test_disagg_gateway import MODEL, Upstream, config, ready
+    from tests.unit.test_disagg_gateway import MODEL, Upstream, config, ready, wait_until
 
     from servegate.testing.gateway import GatewayRunner
 
@@ -918,6 +918,9 @@ async def test_the_gateway_pins_the_rank_behind_one_api_server() -> None:
     try:
         async with GatewayRunner(config([{"url": server.url}], picker)) as gw:
             await ready(gw, 1)
+            await wait_until(
+                lambda: all(s.metrics.rank_load for s in gw.gateway.pool), "ranks scraped"
+            )
             async with aiohttp.ClientSession() as http:
                 forged = {"X-data-parallel-rank": "2"}
                 async with http.post(gw.url + "/v1/completions", json=body, headers=forged) as r:
@@ -960,3 +963,31 @@ def test_the_pd_decider_counts_cpu_offloaded_blocks_in_full() -> None:
     cold = request(16)
     cold.cache["token_ids"] = list(range(500, 516))
     assert decide(scheduler, cold, [prefill, decode]).pd_decision == PREFILL_DECODE
+
+
+def test_p2p_source_counts_only_the_peers_cpu_tier_with_a_precise_index() -> None:
+    from servegate.datalayer.kvevents.events import BlockStored, EventBatch
+
+    scheduler = load(
+        "plugins:\n- type: precise-prefix-cache-producer\n"
+        "  parameters: {tokenProcessorConfig: {blockSizeTokens: 4}}\n"
+        "- type: queue-scorer\n- type: p2p-source-producer\n"
+        "  parameters: {prefixMatchInfoProducerName: precise-prefix-cache-producer}\n"
+        "- type: max-score-picker\nschedulingProfiles:\n- name: default\n  plugins:\n"
+        "  - {pluginRef: queue-scorer}\n  - {pluginRef: max-score-picker}\n"
+    )
+    producer = scheduler.plugins["precise-prefix-cache-producer"]
+    assert isinstance(producer, PrefixProducer)
+    gpu_only = endpoint_state("10.0.0.1:8000", waiting=9)
+    cpu_peer = endpoint_state("10.0.0.2:8000", waiting=8)
+    computing = endpoint_state("10.0.0.3:8000", waiting=0)
+    tokens = list(range(100, 116))
+    for state, medium in ((gpu_only, "GPU"), (cpu_peer, "CPU")):
+        event = BlockStored([1, 2, 3], None, tokens[:12], 4, None, None, medium)
+        producer.source.index.apply(state.address, EventBatch(0.0, [event]))
+    req = request(16)
+    req.cache["token_ids"] = tokens
+    decision = decide(scheduler, req, [gpu_only, cpu_peer, computing])
+    scheduler.pre_request(req, decision, 1.0)
+    assert decision.endpoint is computing
+    assert decision.upstream_headers == {"x-kv-cache-source-host-port": cpu_peer.address}

@@ -253,8 +253,9 @@ class P2PSourceProducer(DeclaredPlugin):
     endpoint is the prefill endpoint when there is one, else the target. The header
     `x-kv-cache-source-host-port: ip:port` is set only when the source holds at least
     `minCachedTokenDelta` more cached tokens than the computing endpoint.
-    With the precise producer the match is tier-weighted (GPU 1, CPU 0.8 by default);
-    llm-d counts only CPU-tier blocks when it has per-tier data.
+    With the precise producer (per-tier data) a peer counts only its contiguous CPU-tier
+    blocks (pulls are served from the CPU tier) and the computing endpoint all of its
+    own, as in llm-d.
     """
 
     __slots__ = ("block_size", "source")
@@ -296,12 +297,8 @@ class P2PSourceProducer(DeclaredPlugin):
         computing = decision.prefill or decision.endpoint
         seen.setdefault(computing.address, computing)
         states = list(seen.values())
-        cycle = CycleState(now, random.Random(0))
-        shares = self.source.score(cycle, request, states)
-        cached = {
-            s.address: round(min(1.0, max(0.0, x)) * request.prompt_tokens)
-            for s, x in zip(states, shares, strict=True)
-        }
+        peer, local = self._cached_tokens(request, states, now)
+        cached = peer
         best = max(cached.values())
         band = [s for s in states if cached[s.address] >= best - self.block_size]
         weights = [1.0 / (1.0 + max(0.0, s.metrics.waiting)) for s in band]
@@ -314,8 +311,39 @@ class P2PSourceProducer(DeclaredPlugin):
                 break
         if chosen is computing:
             return
-        if cached[chosen.address] - cached[computing.address] >= p.min_cached_token_delta:
+        if cached[chosen.address] - local[computing.address] >= p.min_cached_token_delta:
             decision.upstream_headers[KV_CACHE_SOURCE_HEADER] = chosen.address
+
+    def _cached_tokens(
+        self, request: LLMRequest, states: list[EndpointState], now: float
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """(tokens a peer could serve a pull from, tokens an endpoint holds itself).
+
+        With a precise index (per-tier data) a pull is served from the peer's CPU
+        tier, so only its contiguous CPU-tier prefix counts for the peer, while the
+        computing endpoint's own blocks count in any tier, as in llm-d; otherwise both
+        are the match share × prompt tokens."""
+        source = self.source
+        producer = getattr(source, "producer", None)
+        if producer is not None:
+            source = getattr(producer, "source", source)
+        tokens = request.cache.get("token_ids")
+        if isinstance(source, PrecisePrefixCacheScorer) and tokens is not None:
+            index = source.index
+            peer: dict[str, int] = {}
+            local: dict[str, int] = {}
+            for s in states:
+                size = index.block_size(s.address) or 0
+                peer[s.address] = index.tier_blocks(s.address, tokens, "cpu", request.lora) * size
+                local[s.address] = index.matched_blocks(s.address, tokens, request.lora) * size
+            return peer, local
+        cycle = CycleState(now, random.Random(0))
+        shares = self.source.score(cycle, request, states)
+        cached = {
+            s.address: round(min(1.0, max(0.0, x)) * request.prompt_tokens)
+            for s, x in zip(states, shares, strict=True)
+        }
+        return cached, cached
 
 
 class BurstPrefixParameters(Parameters):

@@ -501,6 +501,23 @@ class PreciseIndex:
             n += 1
         return n
 
+    def tier_blocks(
+        self, address: str, token_ids: Sequence[int], tier: str, lora: str | None = None
+    ) -> int:
+        """Leading full blocks of a prompt that `address` holds in the tier named `tier`."""
+        bs = self.block_size(address)
+        index = self._tiers.get(tier.lower())
+        if bs is None or index is None:
+            return 0
+        keys = token_block_hashes(token_ids, bs, lora_seed(lora), _UNLIMITED)
+        n = 0
+        for key in keys:
+            holding = self._holders.get(key, {}).get(address)
+            if holding is None or len(holding) <= index + 1 or holding[index + 1] <= 0:
+                break
+            n += 1
+        return n
+
     def predicted_hit_tokens(
         self, address: str, token_ids: Sequence[int], lora: str | None = None
     ) -> int:
