@@ -40,6 +40,8 @@ from servegate.scheduling.registry import (
 from servegate.scheduling.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+_YAML_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""libyaml's safe loader when PyYAML has it (the same documents, several times faster)."""
 
 API_VERSIONS = ("llm-d.ai/v1alpha1", "inference.networking.x-k8s.io/v1alpha1")
 OLDER_API_VERSIONS = (
@@ -225,7 +227,7 @@ def parse_picker_config(doc: Mapping[str, Any] | str) -> EndpointPickerConfig:
     """Decode (YAML text or an already-parsed mapping) into the typed document."""
     if isinstance(doc, str):
         try:
-            loaded = yaml.safe_load(doc)
+            loaded = yaml.load(doc, Loader=_YAML_LOADER)
         except yaml.YAMLError as exc:
             raise PickerConfigError(f"picker config is not valid YAML: {exc}") from exc
     else:
