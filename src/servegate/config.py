@@ -426,8 +426,8 @@ class DisaggregationSettings(_Strict):
     mode: Literal["auto", "sidecar", "gateway"] = "auto"
     """`sidecar`: send to the decode replica with `x-prefiller-host-port` (llm-d's routing
     sidecar runs the prefill leg); `gateway`: the gateway runs both legs (vLLM's NIXL
-    connector); `auto`: sidecar when the picker config declares llm-d's
-    `disagg-headers-handler`/`prefill-header-handler`, else gateway."""
+    connector), only when configured; `auto`: sidecar, as llm-d's `disagg-profile-handler`
+    does whether or not the older `disagg-headers-handler` is declared."""
     prefill_timeout_s: PositiveFloat | None = None
     """Gateway mode: the longest wait for the prefill leg's answer before falling back to
     decode-only; None = `gateway.first_byte_timeout_s`."""

@@ -70,7 +70,7 @@ def pd_config(cluster: SimCluster, **disaggregation: Any) -> dict[str, Any]:
     cfg["pool"]["endpoints"] = [
         {"url": url, "role": role} for url, role in zip(cluster.urls, ROLES, strict=True)
     ]
-    cfg["disaggregation"] = disaggregation
+    cfg["disaggregation"] = {"mode": "gateway", **disaggregation}
     return cfg
 
 

@@ -174,7 +174,7 @@ def test_the_prefix_scores_are_computed_once_per_cycle() -> None:
     ("params", "problem"),
     [
         pytest.param({"affinityThreshold": 1.5}, "less than or equal to 1", id="threshold"),
-        pytest.param({"ttftSource": "latencyPredictor"}, "prefillThroughput", id="predictor"),
+        pytest.param({"ttftSource": "latency"}, "latencyPredictor", id="ttft-source"),
         pytest.param({"peakPrefillThroughput": 0}, "greater than 0", id="throughput"),
         pytest.param(
             {"maxInFlightRequestsDelta": 2, "maxTTFTPenaltyMs": 0}, "must be > 0", id="delta"
@@ -283,7 +283,7 @@ def test_no_hit_lru_finds_its_prefix_scorer(plugins: str, expected: str) -> None
     [
         pytest.param(
             "- type: prefix-cache-affinity-filter\n- type: queue-scorer\n",
-            "declare a prefix-cache-scorer or precise-prefix-cache-scorer",
+            "declare a prefix-cache-scorer, precise-prefix-cache-scorer or a prefix producer",
             id="none",
         ),
         pytest.param(

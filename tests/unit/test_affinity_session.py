@@ -158,7 +158,9 @@ def test_session_id_strategy_adds_no_response_header() -> None:
         pytest.param({"sessionIdConfig": {"evictionTtlSeconds": 0}}, "greater than 0", id="ttl"),
         pytest.param({"sessionIdConfig": {"sources": []}}, "at least 1", id="no-sources"),
         pytest.param(
-            {"sessionIdConfig": {"sources": [{"attribute": "a"}]}}, "attribute", id="attribute"
+            {"sessionIdConfig": {"sources": [{"header": "h", "attribute": "a"}]}},
+            "exactly one of header and attribute",
+            id="attribute",
         ),
     ],
 )

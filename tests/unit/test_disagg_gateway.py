@@ -100,7 +100,8 @@ DECIDER = PrefixBasedPDDecider()
 @pytest.mark.parametrize(
     ("mode", "plugins", "expected"),
     [
-        pytest.param("auto", {}, "gateway", id="auto-plain"),
+        # llm-d's disagg-profile-handler writes x-prefiller-host-port itself: auto is the sidecar
+        pytest.param("auto", {}, "sidecar", id="auto-plain"),
         pytest.param("auto", {"h": HEADERS_PLUGIN, "d": DECIDER}, "sidecar", id="auto-llm-d-header-plugin"),
         pytest.param("gateway", {"h": HEADERS_PLUGIN}, "gateway", id="explicit-gateway-wins"),
         pytest.param("sidecar", {}, "sidecar", id="explicit-sidecar"),
@@ -281,7 +282,8 @@ async def test_gateway_mode_runs_both_legs(http: aiohttp.ClientSession, stream: 
     if stream:
         body["stream_options"] = {"include_usage": True}
     try:
-        async with GatewayRunner(config(endpoints, disagg_picker(PD_HANDLER))) as gw:
+        cfg = config(endpoints, disagg_picker(PD_HANDLER), mode="gateway")
+        async with GatewayRunner(cfg) as gw:
             await ready(gw, 2)
             status, answer = await post(http, gw, body)
             assert status == 200
@@ -324,7 +326,7 @@ async def test_prefill_failure_falls_back_to_decode_only(
     prefill, decode = await Upstream(prefill=behaviour).start(), await Upstream().start()
     endpoints = [{"url": prefill.url, "role": "prefill"}, {"url": decode.url, "role": "decode"}]
     try:
-        cfg = config(endpoints, disagg_picker(PD_HANDLER), prefill_timeout_s=0.3)
+        cfg = config(endpoints, disagg_picker(PD_HANDLER), mode="gateway", prefill_timeout_s=0.3)
         async with GatewayRunner(cfg) as gw:
             await ready(gw, 2)
             status, answer = await post(http, gw, BODY)
@@ -422,7 +424,7 @@ def test_docs_examples_load(example: str) -> None:
 
 
 def test_docs_have_both_kinds_of_example() -> None:
-    assert sum("kind: EndpointPickerConfig" in e for e in EXAMPLES) == 2
+    assert sum("kind: EndpointPickerConfig" in e for e in EXAMPLES) == 3
     assert sum("pool:" in e for e in EXAMPLES) == 2
 
 
@@ -433,3 +435,30 @@ def test_data_parallel_ranks_of_one_pod_are_separate_endpoints() -> None:
     # one host, four ports: four endpoints
     assert {e.host for e in endpoints} == {"10.0.0.5"}
     assert [e.address for e in endpoints] == [f"10.0.0.5:{p}" for p in (8200, 8201, 8202, 8203)]
+
+
+async def test_stock_llmd_pd_config_uses_the_sidecar_protocol(http: aiohttp.ClientSession) -> None:
+    """llm-d's disagg-profile-handler alone (no headers handler, no `disaggregation:`):
+    one request to the decode replica naming the prefill replica, as llm-d's sidecar expects;
+    client-sent routing headers never reach a replica."""
+    prefill, decode = await Upstream().start(), await Upstream().start()
+    endpoints = [{"url": prefill.url, "role": "prefill"}, {"url": decode.url, "role": "decode"}]
+    try:
+        async with GatewayRunner(config(endpoints, disagg_picker(PD_HANDLER))) as gw:
+            await ready(gw, 2)
+            forged = {
+                "x-prefiller-host-port": "10.9.9.9:1",
+                "x-encoder-hosts-ports": "10.9.9.9:2",
+                "x-kv-cache-source-host-port": "10.9.9.9:3",
+            }
+            status, _ = await post(http, gw, BODY, **forged)
+            assert status == 200
+            assert prefill.calls == []
+            (call,) = decode.calls
+            assert call.body == BODY
+            assert call.headers["x-prefiller-host-port"] == prefill.address
+            assert "x-encoder-hosts-ports" not in call.headers
+            assert "x-kv-cache-source-host-port" not in call.headers
+    finally:
+        await prefill.stop()
+        await decode.stop()

@@ -107,7 +107,8 @@ def seed_prefix(scheduler: Scheduler, req: LLMRequest, address: str, blocks: int
         pytest.param(64, 160, 7, False, id="7-blocks-cached-48-uncached"),
         pytest.param(64, 160, 10, False, id="all-cached"),
         pytest.param(64, 48, 0, False, id="prompt-shorter-than-threshold"),
-        pytest.param(0, 16, 1, True, id="threshold-0-always"),
+        # llm-d since #691 (March 2026): nonCachedTokens 0 turns disaggregation off
+        pytest.param(0, 160, 0, False, id="threshold-0-never"),
     ],
 )
 def test_prefix_decider_threshold(
@@ -323,11 +324,12 @@ def test_pd_profile_handler_threshold_rule(
         ),
         pytest.param(
             pd_config({"type": "disagg-profile-handler", "parameters": {"deciders": {"encode": "x"}}}),
-            ["encode disaggregation (E/PD) is not implemented"], id="encode-decider",
+            ["encode decider 'x' names no declared plugin"], id="encode-decider",
         ),
         pytest.param(
-            pd_config({"type": "disagg-profile-handler", "parameters": {"encodeProfile": "encode"}}),
-            ["encode disaggregation (E/PD) is not implemented"], id="encode-profile",
+            pd_config({"type": "disagg-profile-handler", "parameters": {
+                "encodeProfile": "encode", "deciders": {"prefill": "x"}}}),
+            ["cannot mix the deprecated flat parameters (encodeProfile"], id="encode-profile",
         ),
         pytest.param(
             pd_config({"type": "disagg-profile-handler", "parameters": {"deciders": {"prefill": "nope"}}}),
@@ -335,7 +337,7 @@ def test_pd_profile_handler_threshold_rule(
         ),
         pytest.param(
             pd_config({"type": "disagg-profile-handler", "parameters": {"deciders": {"prefill": "queue-scorer"}}}),
-            ["'queue-scorer' is a 'queue-scorer', not a P/D decider"], id="decider-of-wrong-type",
+            ["'queue-scorer' is a 'queue-scorer', not a decider"], id="decider-of-wrong-type",
         ),
         pytest.param(
             pd_config(DISAGG, PREFIX_DECIDER, profiles=("prefill", "other")),
@@ -344,10 +346,6 @@ def test_pd_profile_handler_threshold_rule(
         pytest.param(
             pd_config(DISAGG, PREFIX_DECIDER, profiles=("decode",)),
             ["has a prefill decider but no prefill profile 'prefill'"], id="no-prefill-profile",
-        ),
-        pytest.param(
-            pd_config({"type": "disagg-profile-handler"}),
-            ["profile 'prefill' would never run", "deciders.prefill"], id="prefill-without-decider",
         ),
         pytest.param(
             pd_config(DISAGG, PREFIX_DECIDER, profiles=("prefill", "decode", "spare")),

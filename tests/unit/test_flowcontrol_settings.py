@@ -95,10 +95,10 @@ def test_deprecated_top_level_thresholds_make_a_utilization_detector() -> None:
 @pytest.mark.parametrize(
     ("gates", "flow", "top", "fragment"),
     [
-        pytest.param(["dataLayer"], None, None, "'dataLayer' is not a feature gate", id="gate"),
+        pytest.param(["dataLayr"], None, None, "'dataLayr' is not a feature gate", id="gate"),
         pytest.param(["flowControl=maybe"], None, None, "flowControl=true", id="gate-value"),
         pytest.param(
-            None, {"enableEviction": True}, None, "flowControl.enableEviction", id="field"
+            None, {"enableEvictions": True}, None, "flowControl.enableEvictions", id="field"
         ),
         pytest.param(None, {"maxBytes": "lots"}, None, "flowControl.maxBytes", id="quantity"),
         pytest.param(None, {"defaultRequestTTL": "1 minute"}, None, "defaultRequestTTL", id="ttl"),

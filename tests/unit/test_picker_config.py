@@ -206,9 +206,9 @@ ERRORS = [
     ),
     pytest.param(HEAD + "plugin: []\n", ["plugin: unknown field"], id="unknown-top-level"),
     pytest.param(
-        HEAD + "data: {}\n",
-        ["data: this EndpointPickerConfig section is not supported"],
-        id="unsupported-section",
+        HEAD + "dataLayer: {sources: [{pluginRef: metrics}]}\n",
+        ["dataLayer.sources[0]: pluginRef 'metrics' names no declared plugin"],
+        id="data-layer-unknown-source",
     ),
     pytest.param(
         HEAD + "plugins:\n- {type: queue-scorer, name: 5}\n",
@@ -236,9 +236,9 @@ ERRORS = [
         id="prefix-block-size",
     ),
     pytest.param(
-        HEAD + "plugins:\n- {type: context-length-aware, name: cla}\n",
-        ["plugins[0] 'cla' (type 'context-length-aware')", "does not implement yet"],
-        id="known-unimplemented-session",
+        HEAD + "plugins:\n- {type: pending-tokens-scorer, name: pts}\n",
+        ["plugins[0] 'pts' (type 'pending-tokens-scorer')", "does not implement yet"],
+        id="known-unimplemented-named",
     ),
     pytest.param(
         HEAD + "plugins:\n- type: precise-prefix-based-pd-decider\n",

@@ -371,6 +371,7 @@ def test_describe_lists_the_resolved_configuration() -> None:
             }
         ],
         "plugins": [],
+        "warnings": [],
     }
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import pytest
 from pydantic import Field
@@ -17,7 +17,76 @@ from servegate.scheduling.registry import (
     decode_parameters,
 )
 
-BUILTIN_TYPES = {
+
+@runtime_checkable
+class Declared(Protocol):
+    """A plugin referenced from a section or a consumer, never from a profile."""
+
+    kind: str
+
+
+LLMD_ROUTER_KINDS = {
+    "approx-prefix-cache-producer": "producer",
+    "precise-prefix-cache-producer": "producer",
+    "inflight-load-producer": "producer",
+    "session-id-producer": "producer",
+    "tokenizer": "producer",
+    "token-producer": "producer",
+    "p2p-source-producer": "producer",
+    "mm-embeddings-cache-producer": "producer",
+    "openai-parser": "parser",
+    "anthropic-parser": "parser",
+    "vllmhttp-parser": "parser",
+    "sglanghttp-parser": "parser",
+    "passthrough-parser": "parser",
+    "vllmgrpc-parser": "parser",
+    "vertexai-parser": "parser",
+    "metrics-data-source": "data-source",
+    "models-data-source": "data-source",
+    "endpoint-notification-source": "data-source",
+    "k8s-notification-source": "data-source",
+    "dcgm-data-source": "data-source",
+    "core-metrics-extractor": "data-extractor",
+    "models-data-extractor": "data-extractor",
+    "dcgm-extractor": "data-extractor",
+    "topology-extractor": "data-extractor",
+    "file-discovery": "discovery",
+    "round-robin-fairness-policy": "fairness-policy",
+    "global-strict-fairness-policy": "fairness-policy",
+    "program-aware-fairness": "fairness-policy",
+    "fcfs-ordering-policy": "ordering-policy",
+    "edf-ordering-policy": "ordering-policy",
+    "slo-deadline-ordering-policy": "ordering-policy",
+    "static-usage-limit-policy": "usage-limit-policy",
+    "soft-reflective-ceiling-policy": "usage-limit-policy",
+    "priority-holdback-policy": "usage-limit-policy",
+    "sheddable-eviction-filter": "eviction-policy",
+    "priority-then-time-eviction-order-policy": "eviction-policy",
+    "probabilistic-admitter": "admitter",
+    "agent-identity": "request-control",
+    "request-attribute-reporter": "request-control",
+    "disaggregatedset-rollout-screener": "request-control",
+    "multicluster-metrics-data-source": "data-source",
+    "multicluster-metrics-extractor": "data-extractor",
+    "multicluster-file-discovery": "discovery",
+}
+"""The non-scheduling kinds of llm-d's current router (issue 17) and what each is."""
+REQUIRED: dict[str, dict[str, Any]] = {
+    "session-id-producer": {"headerName": "x-session-id"},
+    "file-discovery": {"path": "f"},
+    "multicluster-file-discovery": {"path": "f"},
+    "by-label": {"label": "role", "validValues": ["decode"]},
+    "utilization-filter": {"conditions": [{"metric": "waiting-queue", "maxValue": 0}]},
+    "header-label-affinity-scorer": {"headerName": "x-zone", "labelKey": "zone"},
+    "endpoint-attribute-filter": {
+        "attribute": "GPUUtilization",
+        "algorithm": {"type": "threshold", "threshold": {"operator": "LessThan", "value": 1}},
+    },
+    "endpoint-attribute-scorer": {"attributeKey": "GPUUtilization", "algorithm": {}},
+}
+"""Parameters without a default: the smallest valid set."""
+
+BUILTIN_TYPES: dict[str, type] = {
     "queue-scorer": Scorer,
     "kv-cache-utilization-scorer": Scorer,
     "kv-cache-scorer": Scorer,
@@ -50,6 +119,24 @@ BUILTIN_TYPES = {
     "always-disagg-pd-decider": PDDecider,
     "disagg-headers-handler": DisaggHeadersHandler,
     "prefill-header-handler": DisaggHeadersHandler,
+    **dict.fromkeys(LLMD_ROUTER_KINDS, Declared),
+    "burst-prefix-cache-producer": Declared,
+    "by-label": Filter,
+    "encode-filter": Filter,
+    "utilization-filter": Filter,
+    "session-affinity-filter": Filter,
+    "multicluster-session-affinity-filter": Filter,
+    "endpoint-attribute-filter": Filter,
+    "topology-affinity-filter": Filter,
+    "context-length-aware": Scorer,
+    "header-label-affinity-scorer": Scorer,
+    "endpoint-attribute-scorer": Scorer,
+    "topology-affinity-scorer": Scorer,
+    "mm-embeddings-cache-scorer": Scorer,
+    "multicluster-queue-scorer": Scorer,
+    "multicluster-kv-cache-utilization-scorer": Scorer,
+    "header-profile-handler": ProfileHandler,
+    "always-disagg-multimodal-decider": PDDecider,
 }
 ALIASES = {
     "kv-cache-scorer": "kv-cache-utilization-scorer",
@@ -70,17 +157,24 @@ def test_registry_is_a_fresh_dict_each_time() -> None:
 
 @pytest.mark.parametrize("plugin_type", sorted(BUILTIN_TYPES))
 def test_every_builtin_builds_with_defaults_and_keeps_its_name(plugin_type: str) -> None:
-    plugin = builtin_registry()[plugin_type]("my-name", {}, PluginContext())
+    plugin = builtin_registry()[plugin_type](
+        "my-name", REQUIRED.get(plugin_type, {}), PluginContext()
+    )
     assert isinstance(plugin, Plugin)
     assert isinstance(plugin, BUILTIN_TYPES[plugin_type])
     assert plugin.name == "my-name"
     assert plugin.type == ALIASES.get(plugin_type, plugin_type)
+    if plugin_type in LLMD_ROUTER_KINDS:
+        assert getattr(plugin, "kind", None) == LLMD_ROUTER_KINDS[plugin_type]
+        assert not isinstance(plugin, Filter | Scorer | Picker | ProfileHandler)
 
 
 @pytest.mark.parametrize("plugin_type", sorted(BUILTIN_TYPES))
 def test_every_builtin_rejects_unknown_parameters(plugin_type: str) -> None:
     with pytest.raises(PluginParameterError) as info:
-        builtin_registry()[plugin_type]("p", {"bogusKey": 1}, PluginContext())
+        builtin_registry()[plugin_type](
+            "p", {**REQUIRED.get(plugin_type, {}), "bogusKey": 1}, PluginContext()
+        )
     assert "unknown parameter 'bogusKey'" in str(info.value)
     assert info.value.name == "p"
 

@@ -116,6 +116,8 @@ class MetricsParser:
                 metrics.num_blocks = _count(value)
             else:
                 setattr(metrics, signal, value)
+        if self.spec.rank_label is not None:
+            metrics.rank_load = _rank_load(self.spec, found)
         samples = sum(map(len, found.values()))
         bad = tuple(name for name in out_of_range(metrics) if name not in missing)
         return ParseResult(sane(metrics), malformed, samples, tuple(missing), bad)
@@ -245,6 +247,25 @@ def _evaluate(source: MetricSpec, found: Found) -> float | None:
             return None
         result /= divisor
     return result if _isfinite(result) else None
+
+
+def _rank_load(spec: EngineSpec, found: Found) -> dict[int, float] | None:
+    """Waiting + running per data-parallel rank, when the page shows two ranks or more."""
+    label = spec.rank_label
+    assert label is not None
+    load: dict[int, float] = {}
+    for sources in (spec.waiting, spec.running):
+        for source in sources:
+            series = _selected(source, found)
+            if not series:
+                continue
+            for labels, value in series:
+                rank = _number(labels.get(label))
+                if rank is None or not _isfinite(value) or rank != int(rank):
+                    continue
+                load[int(rank)] = load.get(int(rank), 0.0) + value
+            break
+    return load if len(load) > 1 else None
 
 
 def _first_value(sources: Signal, found: Found) -> float | None:

@@ -95,6 +95,9 @@ class EngineSpec:
     lora: Signal = ()
     prefix_cache_queries: Signal = ()
     prefix_cache_hits: Signal = ()
+    rank_label: str | None = None
+    """The label naming the data-parallel rank of an engine series (vLLM: `engine`); with
+    it the parser keeps each rank's waiting + running (`EndpointMetrics.rank_load`)."""
 
     def signal(self, name: str) -> Signal:
         if name not in SIGNALS:

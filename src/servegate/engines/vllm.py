@@ -39,4 +39,5 @@ SPEC = EngineSpec(
             alternatives=("vllm:gpu_prefix_cache_hits_total",),
         ),
     ),
+    rank_label="engine",
 )

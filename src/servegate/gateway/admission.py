@@ -13,8 +13,9 @@ client-chosen fairness id, so a client cannot grow the label set.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -24,6 +25,7 @@ from prometheus_client.registry import Collector
 from servegate.gateway.errors import GatewayError, NoEndpoints, Saturated, TtlExpired
 from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
+from servegate.scheduling.admitters import Admitter
 from servegate.scheduling.config import parse_picker_config
 from servegate.scheduling.flowcontrol import (
     OBJECTIVE_HEADERS,
@@ -95,10 +97,15 @@ class GatewayAdmission:
         pool: Pool,
         priorities: Mapping[str, int] | None = None,
         registry: CollectorRegistry | None = None,
+        admitters: Sequence[Admitter] = (),
+        rng: random.Random | None = None,
     ) -> None:
         self.controller = controller
         self.pool = pool
         self.priorities = dict(priorities or {})
+        self.admitters = tuple(admitters)
+        """llm-d admitter plugins (`probabilistic-admitter`), asked before flow control."""
+        self._rng = rng or random.Random()
         self.queue_duration = Histogram(
             "inference_extension_flow_control_request_queue_duration_seconds",
             "Time requests spend in flow control, from arrival to their outcome.",
@@ -131,6 +138,15 @@ class GatewayAdmission:
         flow = request.fairness_id[:MAX_FLOW_ID]
         tokens = request.prompt_tokens + (request.max_tokens or 0)
         started = time.monotonic()
+        if self.admitters:
+            now = started
+            available = [s for s in self.pool if self.pool.is_available(s, now)]
+            for admitter in self.admitters:
+                reason = admitter.refusal(priority, available, self._rng)
+                if reason is not None:
+                    self.controller.stats.count(priority, Outcome.REJECTED_SATURATED)
+                    self._observe(priority, Outcome.REJECTED_SATURATED, 0.0)
+                    raise _as_error(Rejected(Outcome.REJECTED_SATURATED, reason), 0.0)
         try:
             admission = await self.controller.admit(priority, flow, size, tokens)
         except Rejected as rejected:
@@ -200,6 +216,8 @@ def build_admission(
         queues_from_settings(settings),
         enabled=settings.enabled,
         ttl_s=settings.default_request_ttl_s,
+        band_ttl_s=settings.band_ttls(),
     )
     pool.watch_state(lambda _state: controller.notify())
-    return GatewayAdmission(controller, pool, settings.priorities(), registry)
+    admitters = [p for p in (plugins or {}).values() if isinstance(p, Admitter)]
+    return GatewayAdmission(controller, pool, settings.priorities(), registry, admitters)

@@ -330,6 +330,8 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
             strip_authorization=gw.tenants.enabled,
             client=request.remote,
         )
+        if decision.upstream_headers:
+            upstream_headers.update(decision.upstream_headers)
         if llm.target_model != llm.model:
             llm.body["model"] = llm.target_model
             body = orjson.dumps(llm.body)

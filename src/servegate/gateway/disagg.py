@@ -43,8 +43,10 @@ from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
 from servegate.scheduling.disagg import (
     DATA_PARALLEL_HEADER,
+    DATA_PARALLEL_RANK_HEADER,
+    ENCODERS_HEADER,
     PREFILLER_HEADER,
-    DisaggHeadersHandler,
+    least_loaded_rank,
 )
 from servegate.scheduling.framework import Decision, Plugin
 from servegate.scheduling.request import LLMRequest
@@ -67,14 +69,12 @@ ONE_TOKEN_FIELDS = ("max_completion_tokens", "min_tokens")
 
 
 def resolve_mode(settings: DisaggregationSettings, plugins: Mapping[str, Plugin]) -> Mode:
-    """`auto` → sidecar when llm-d's header plugin is declared, else gateway."""
-    if settings.mode == "sidecar":
-        return "sidecar"
+    """`auto` → sidecar, llm-d's protocol: its current `disagg-profile-handler` sets
+    `x-prefiller-host-port` itself, with or without the older `disagg-headers-handler`.
+    The gateway-run NIXL legs only when `mode: gateway` says so."""
     if settings.mode == "gateway":
         return "gateway"
-    if any(isinstance(p, DisaggHeadersHandler) for p in plugins.values()):
-        return "sidecar"
-    return "gateway"
+    return "sidecar"
 
 
 def prefill_request(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -109,11 +109,23 @@ def data_parallel_route(primary_port: int) -> Route:
     return route
 
 
+def rank_header_route(
+    state: EndpointState, headers: Mapping[str, str]
+) -> tuple[str, Mapping[str, str]]:
+    """Each attempt to its endpoint's own URL, naming its least-loaded data-parallel rank."""
+    rank = least_loaded_rank(state)
+    if rank is None:
+        return state.endpoint.url, headers
+    return state.endpoint.url, {**headers, DATA_PARALLEL_RANK_HEADER: str(rank)}
+
+
 def sidecar_headers(decision: Decision) -> dict[str, str]:
     """The headers llm-d's sidecar protocol adds for `decision` (for any data plane)."""
     out: dict[str, str] = {}
     if decision.prefill is not None:
         out[PREFILLER_HEADER] = decision.prefill.address
+    if decision.encoders:
+        out[ENCODERS_HEADER] = ",".join(s.address for s in decision.encoders)
     if decision.primary_port is not None:
         out[DATA_PARALLEL_HEADER] = decision.endpoint.address
     return out
@@ -148,7 +160,11 @@ class Disaggregator:
 
     @staticmethod
     def handles(decision: Decision) -> bool:
-        return decision.pd_decision is not None or decision.primary_port is not None
+        return (
+            decision.pd_decision is not None
+            or decision.primary_port is not None
+            or decision.rank_header
+        )
 
     async def forward(
         self,
@@ -186,9 +202,13 @@ class Disaggregator:
                     self._metrics.disagg_fallbacks.labels(exc.reason).inc()
                 else:
                     body = orjson.dumps(decode_request(llm.body, params))
-        route = (
-            None if decision.primary_port is None else data_parallel_route(decision.primary_port)
-        )
+        if decision.encoders and self.mode == "sidecar":
+            headers = {**headers, ENCODERS_HEADER: ",".join(s.address for s in decision.encoders)}
+        route: Route | None = None
+        if decision.primary_port is not None:
+            route = data_parallel_route(decision.primary_port)
+        elif decision.rank_header:
+            route = rank_header_route
         return await self._proxy.forward(
             http_request,
             decision.targets,

@@ -78,7 +78,10 @@ ROUTING_HEADERS = frozenset(
         "x-gateway-destination-endpoint-subset",
         "x-gateway-destination-endpoint-served",
         "x-prefiller-host-port",
+        "x-encoder-hosts-ports",
         "x-data-parallel-host-port",
+        "x-data-parallel-rank",
+        "x-kv-cache-source-host-port",
     }
 )
 """Headers only the gateway may set: a client must not choose an address itself."""

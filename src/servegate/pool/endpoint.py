@@ -85,6 +85,9 @@ class EndpointMetrics:
     """Prompt tokens found in the prefix cache (counter)."""
     scraped_at: float = 0.0
     """`time.monotonic()` of the scrape that produced these values; 0 = never."""
+    rank_load: dict[int, float] | None = None
+    """Data-parallel ranks behind one API server (vLLM's `engine` label): rank → waiting +
+    running; None when the page shows one rank or none."""
 
 
 @dataclass(slots=True, eq=False)

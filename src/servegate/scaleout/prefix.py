@@ -69,11 +69,15 @@ class PrefixSharing:
         pools: dict[str, Pool] = {}
         for pool_name, pool, scheduler in runtimes:
             pools[pool_name] = pool
-            for plugin in scheduler.plugins.values():
-                if isinstance(plugin, PrefixCacheScorer):
-                    plugin.on_insert = self._hook(pool_name, plugin.name)
-                    plugin.seed_key = self.seed_key
-                    scorers[(pool_name, plugin.name)] = plugin
+            for name, plugin in scheduler.plugins.items():
+                inner = getattr(plugin, "source", None)  # approx-prefix-cache-producer
+                if isinstance(inner, PrefixCacheScorer):
+                    plugin = inner
+                elif not isinstance(plugin, PrefixCacheScorer) or plugin.producer is not None:
+                    continue
+                plugin.on_insert = self._hook(pool_name, name)
+                plugin.seed_key = self.seed_key
+                scorers[(pool_name, name)] = plugin
         self.scorers = scorers
         self.pools = pools
 

@@ -36,6 +36,7 @@ from servegate.scheduling.registry import Parameters, PluginContext, decode_para
 from servegate.scheduling.request import LLMRequest
 
 PREFIX_SCORER_TYPES = ("prefix-cache-scorer", "precise-prefix-cache-scorer")
+PREFIX_PRODUCER_TYPES = ("approx-prefix-cache-producer", "precise-prefix-cache-producer")
 SESSION_TOKEN_HEADER = "x-session-token"
 SESSION_ID_HEADER = "x-session-id"
 
@@ -47,30 +48,53 @@ class ResponseHeaders(Protocol):
     def response_headers(self, request: LLMRequest, decision: Decision) -> Mapping[str, str]: ...
 
 
+def _producer_source(plugin: Plugin) -> Scorer | None:
+    """The match-computing scorer inside a prefix producer (llm-d's producer/consumer split)."""
+    inner = getattr(plugin, "source", None)
+    if getattr(plugin, "kind", None) == "producer" and isinstance(inner, Scorer):
+        return inner
+    return None
+
+
 def find_prefix_scorer(
     owner: str, plugins: Mapping[str, Plugin], name: str | None, parameter: str
 ) -> Scorer:
-    """The prefix scorer a plugin reads: the one named, or the only one declared."""
+    """The prefix match a plugin reads: the scorer or producer named, or the only one declared.
+
+    A prefix producer (`approx-prefix-cache-producer`, `precise-prefix-cache-producer`)
+    counts as its match; with none named, declared prefix scorers come first, then
+    producers.
+    """
     if name is not None:
         plugin = plugins.get(name)
         if plugin is None:
             raise ValueError(f"{parameter} {name!r} names no declared plugin")
+        inner = _producer_source(plugin)
+        if inner is not None:
+            return inner
         if plugin.type not in PREFIX_SCORER_TYPES or not isinstance(plugin, Scorer):
             raise ValueError(
                 f"{parameter} {name!r} is a {plugin.type!r}; it must name a "
-                + " or ".join(PREFIX_SCORER_TYPES)
+                + " or ".join((*PREFIX_SCORER_TYPES, *PREFIX_PRODUCER_TYPES))
             )
         return plugin
     found = [p for p in plugins.values() if p.type in PREFIX_SCORER_TYPES]
+    if not found:
+        found = [p for p in plugins.values() if _producer_source(p) is not None]
+        if len(found) == 1:
+            inner = _producer_source(found[0])
+            assert inner is not None
+            return inner
     if len(found) == 1 and isinstance(found[0], Scorer):
         return found[0]
     if not found:
         raise ValueError(
-            f"{owner} reads a prefix scorer's score; declare a prefix-cache-scorer or "
-            "precise-prefix-cache-scorer plugin"
+            f"{owner} reads a prefix match; declare a prefix-cache-scorer, "
+            "precise-prefix-cache-scorer or a prefix producer (approx-prefix-cache-producer, "
+            "precise-prefix-cache-producer)"
         )
     raise ValueError(
-        f"several prefix scorers are declared ({', '.join(p.name for p in found)}); "
+        f"several prefix scorers or producers are declared ({', '.join(p.name for p in found)}); "
         f"say which one with `{parameter}`"
     )
 
@@ -99,7 +123,14 @@ class AffinityFilterParameters(Parameters):
     affinity_threshold: float = Field(0.80, alias="affinityThreshold", ge=0.0, le=1.0)
     exploration_probability: float = Field(0.0, alias="explorationProbability", ge=0.0, le=1.0)
     max_ttft_penalty_ms: float = Field(18000.0, alias="maxTTFTPenaltyMs", ge=0.0)
-    ttft_source: Literal["prefillThroughput"] = Field("prefillThroughput", alias="ttftSource")
+    ttft_source: Literal["prefillThroughput", "latencyPredictor"] = Field(
+        "prefillThroughput", alias="ttftSource"
+    )
+    """`latencyPredictor` needs issue 21's predictor; until then the prefill-throughput
+    estimate is used, with a startup warning."""
+    max_tokens_in_flight_penalty: int = Field(0, alias="maxTokensInFlightPenalty", ge=0)
+    """Older llm-d gate: keep every candidate when the least-loaded sticky endpoint has
+    more than this many in-flight tokens above the least-loaded other one; 0 = off."""
     peak_prefill_throughput: float = Field(15928.0, alias="peakPrefillThroughput", gt=0.0)
     max_in_flight_requests_delta: int = Field(0, alias="maxInFlightRequestsDelta", ge=0)
     prefix_match_info_producer_name: str | None = Field(None, alias="prefixMatchInfoProducerName")
@@ -142,6 +173,15 @@ class PrefixCacheAffinityFilter:
             "prefixMatchInfoProducerName",
         )
 
+    def startup_warnings(self) -> list[str]:
+        if self.params.ttft_source != "latencyPredictor":
+            return []
+        return [
+            f"plugin {self.name!r} (type {self.type!r}): ttftSource latencyPredictor needs a "
+            "latency predictor, which servegate does not have yet; the TTFT gate uses the "
+            "prefill-throughput estimate (in-flight tokens / peakPrefillThroughput) instead"
+        ]
+
     def _count(self, outcome: str) -> None:
         self.decisions[outcome] = self.decisions.get(outcome, 0) + 1
 
@@ -167,6 +207,12 @@ class PrefixCacheAffinityFilter:
         others: list[EndpointState] = []
         for state, score in zip(endpoints, scores, strict=True):
             (sticky if score >= threshold else others).append(state)
+        if p.max_tokens_in_flight_penalty > 0 and others:
+            least_sticky_tokens = min(s.in_flight_tokens for s in sticky)
+            least_other_tokens = min(s.in_flight_tokens for s in others)
+            if least_sticky_tokens - least_other_tokens > p.max_tokens_in_flight_penalty:
+                self._count("token-load-override")
+                return endpoints
         if p.max_ttft_penalty_ms > 0 and others:
             best_sticky = min(self._ttft_ms(s) for s in sticky)
             best_other = min(self._ttft_ms(s) for s in others)
@@ -198,6 +244,10 @@ class PrefixCacheAffinityFilter:
 
 class NoHitLRUParameters(Parameters):
     prefix_plugin_name: str | None = Field(None, alias="prefixPluginName")
+    prefix_match_info_producer_name: str | None = Field(
+        None, alias="prefixMatchInfoProducerName", min_length=1
+    )
+    """The current llm-d name of the same reference: the producer whose match it reads."""
     prefill_profile: str = Field("prefill", alias="prefillProfile", min_length=1)
     lru_size: int = Field(1024, alias="lruSize", ge=1)
 
@@ -225,10 +275,18 @@ class NoHitLRUScorer:
         return cls(name, decode_parameters(NoHitLRUParameters, cls.type, name, parameters))
 
     def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
-        name = self.params.prefix_plugin_name
+        p = self.params
+        if p.prefix_match_info_producer_name is not None and p.prefix_plugin_name is not None:
+            raise ValueError(
+                "prefixPluginName and prefixMatchInfoProducerName name the same thing; keep one"
+            )
+        parameter = "prefixPluginName"
+        name = p.prefix_plugin_name
+        if p.prefix_match_info_producer_name is not None:
+            name, parameter = p.prefix_match_info_producer_name, "prefixMatchInfoProducerName"
         if name is None and "prefix-cache-scorer" in plugins:
             name = "prefix-cache-scorer"
-        self.prefix = find_prefix_scorer(self.type, plugins, name, "prefixPluginName")
+        self.prefix = find_prefix_scorer(self.type, plugins, name, parameter)
 
     def score(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
@@ -270,11 +328,34 @@ class NoHitLRUScorer:
 
 
 class EncodedEndpointHeaderConfig(Parameters):
-    header_name: str = Field(SESSION_TOKEN_HEADER, alias="headerName", min_length=1)
+    header: str | None = Field(None, min_length=1)
+    """llm-d's name of the header that carries the token."""
+    header_name: str | None = Field(None, alias="headerName", min_length=1)
+    """servegate's earlier spelling of `header`; accepted."""
+
+    @model_validator(mode="after")
+    def _one_name(self) -> Self:
+        if self.header is not None and self.header_name is not None:
+            raise ValueError("header and headerName are the same setting; keep header")
+        return self
+
+    @property
+    def name(self) -> str:
+        return self.header or self.header_name or SESSION_TOKEN_HEADER
 
 
 class SessionIDSource(Parameters):
-    header: str = Field(min_length=1)
+    header: str | None = Field(None, min_length=1)
+    attribute: str | None = Field(None, min_length=1)
+    """A request attribute another plugin publishes; only a `session-id-producer`'s
+    (named by `producer`) exists in servegate."""
+    producer: str | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Self:
+        if (self.header is None) == (self.attribute is None and self.producer is None):
+            raise ValueError("set exactly one of header and attribute (with its producer)")
+        return self
 
 
 class SessionIDConfig(Parameters):
@@ -311,25 +392,18 @@ def decode_token(token: str) -> str | None:
         return None
 
 
-class SessionAffinityScorer:
-    """`session-affinity-scorer`: 1.0 for the session's replica, 0 for the others.
+class _SessionAffinity:
+    """What the session-affinity scorer and filter share: the session's replica, bindings."""
 
-    `encoded_endpoint_header` (llm-d's default): the response carries
-    `x-session-token: base64(host:port)` of the chosen replica; a request that
-    sends it back prefers that replica. `session_id`: the router binds the
-    client's `x-session-id` to the replica it routed to; an unused binding is
-    forgotten after `evictionTtlSeconds`. A session whose replica is no longer
-    a candidate expresses no preference and is re-bound where it goes.
-    """
-
-    type: ClassVar[str] = "session-affinity-scorer"
+    type: ClassVar[str]
 
     def __init__(self, name: str, params: SessionAffinityParameters) -> None:
         self.name = name
         self.params = params
-        self.token_header = params.encoded_endpoint_header_config.header_name.lower()
+        self.token_header = params.encoded_endpoint_header_config.name.lower()
         sid = params.session_id_config
-        self.id_headers = [s.header.lower() for s in sid.sources]
+        self.sources = list(sid.sources)
+        self.producers: dict[str, Any] = {}
         self.ttl = sid.eviction_ttl_seconds
         self.sweep_every = sid.eviction_sweep_seconds
         self.bindings: OrderedDict[str, tuple[str, float]] = OrderedDict()
@@ -341,9 +415,28 @@ class SessionAffinityScorer:
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
         return cls(name, decode_parameters(SessionAffinityParameters, cls.type, name, parameters))
 
+    def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
+        for source in self.sources:
+            if source.header is not None:
+                continue
+            ref = source.producer or source.attribute
+            plugin = plugins.get(ref or "")
+            if plugin is None or not hasattr(plugin, "session_id"):
+                raise ValueError(
+                    f"sessionIdConfig source {ref!r}: servegate publishes request attributes "
+                    "only from a session-id-producer; declare one with that name, or read a "
+                    "`header`"
+                )
+            self.producers[ref or ""] = plugin
+
     def session_id(self, request: LLMRequest) -> str | None:
-        for header in self.id_headers:
-            value = request.headers.get(header, "").strip()
+        for source in self.sources:
+            if source.header is not None:
+                value: str | None = request.headers.get(source.header.lower(), "").strip()
+            else:
+                value = self.producers[source.producer or source.attribute or ""].session_id(
+                    request.headers
+                )
             if value:
                 return value
         return None
@@ -359,16 +452,6 @@ class SessionAffinityScorer:
         if bound is None or now - bound[1] > self.ttl:
             return None
         return bound[0]
-
-    def score(
-        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
-    ) -> Sequence[float]:
-        target = self.preferred(request, cycle.now)
-        if target is None:
-            return [0.0] * len(endpoints)
-        present = any(s.address == target for s in endpoints)
-        request.cache[self._state_key] = present
-        return [1.0 if s.address == target else 0.0 for s in endpoints]
 
     def _picked(self, decision: Decision) -> EndpointState | None:
         name = self.params.profile_name
@@ -420,3 +503,49 @@ class SessionAffinityScorer:
             return {}
         picked = self._picked(decision)
         return {} if picked is None else {self.token_header: encode_token(picked.address)}
+
+
+class SessionAffinityFilter(_SessionAffinity):
+    """`session-affinity-filter`: the session's replica alone when it is a candidate.
+
+    The hard-constraint form of `session-affinity-scorer`, with the same
+    parameters: when the session's replica (by token header or bound session id)
+    is among the candidates it is the only one kept; otherwise every candidate
+    passes. It never returns an empty list.
+    """
+
+    type: ClassVar[str] = "session-affinity-filter"
+
+    def filter(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> list[EndpointState]:
+        target = self.preferred(request, cycle.now)
+        if target is None:
+            return endpoints
+        kept = [s for s in endpoints if s.address == target]
+        request.cache[self._state_key] = bool(kept)
+        return kept or endpoints
+
+
+class SessionAffinityScorer(_SessionAffinity):
+    """`session-affinity-scorer`: 1.0 for the session's replica, 0 for the others.
+
+    `encoded_endpoint_header` (llm-d's default): the response carries
+    `x-session-token: base64(host:port)` of the chosen replica; a request that
+    sends it back prefers that replica. `session_id`: the router binds the
+    client's `x-session-id` to the replica it routed to; an unused binding is
+    forgotten after `evictionTtlSeconds`. A session whose replica is no longer
+    a candidate expresses no preference and is re-bound where it goes.
+    """
+
+    type: ClassVar[str] = "session-affinity-scorer"
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> Sequence[float]:
+        target = self.preferred(request, cycle.now)
+        if target is None:
+            return [0.0] * len(endpoints)
+        present = any(s.address == target for s in endpoints)
+        request.cache[self._state_key] = present
+        return [1.0 if s.address == target else 0.0 for s in endpoints]

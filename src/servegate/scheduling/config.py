@@ -11,6 +11,7 @@ names the plugin or profile, the field, and how to fix it.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -18,6 +19,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from servegate.scheduling.declared import StartupWarnings
 from servegate.scheduling.framework import (
     Filter,
     Picker,
@@ -37,8 +39,21 @@ from servegate.scheduling.registry import (
 )
 from servegate.scheduling.scheduler import Scheduler
 
+log = logging.getLogger(__name__)
+_YAML_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""libyaml's safe loader when PyYAML has it (the same documents, several times faster)."""
+
 API_VERSIONS = ("llm-d.ai/v1alpha1", "inference.networking.x-k8s.io/v1alpha1")
+OLDER_API_VERSIONS = (
+    "llm-d.ai/v1",
+    "config.apix.gateway-api-inference-extension.sigs.k8s.io/v1alpha1",
+    "config.x-k8s.io/v1alpha1",
+)
+"""apiVersions of the same document that llm-d's guides and the Gateway API Inference
+Extension's docs have used; accepted with a startup warning."""
 DEFAULT_PROFILE = "default"
+PRECISE_SCORER_TYPES = ("precise-prefix-cache-scorer",)
+"""A scorer llm-d lets a data source feed directly (`dataLayer` extractors)."""
 
 DEFAULT_PICKER_CONFIG = """\
 apiVersion: llm-d.ai/v1alpha1
@@ -78,21 +93,30 @@ even, the prefix match decides. No filter: every replica stays a fallback.
 """
 
 KNOWN_UNIMPLEMENTED: dict[str, str] = {
-    "pending-tokens-scorer": "token-load-scorer scores the router's in-flight tokens",
     "latency-scorer": "",
-    "context-length-aware": "",
-    "by-label": "label-selector-filter with a matchExpressions `In` requirement does the same",
-    "approx-prefix-cache-producer": "",
+    "pending-tokens-scorer": "token-load-scorer scores the router's in-flight tokens",
     "precise-prefix-based-pd-decider": (
         "prefix-based-pd-decider reads precise-prefix-cache-scorer's tier-weighted match"
-    ),
-    "inflight-load-producer": (
-        "servegate's pool counts in-flight requests and tokens itself; remove this plugin"
     ),
 }
 """llm-d / Gateway API Inference Extension plugin types servegate does not implement yet."""
 
-UNSUPPORTED_SECTIONS = ("data", "dataLayer")
+GATE_MEANINGS: dict[str, tuple[str, str]] = {
+    "dataLayer": ("", ""),
+    "prepareDataPlugins": ("", ""),
+    "enableLegacyMetrics": (
+        "the metric names servegate exports do not depend on this gate",
+        "the metric names servegate exports do not depend on this gate",
+    ),
+    "haPopulateNonLeaderDatastore": (
+        "",
+        "servegate has no leader election: every replica of the gateway keeps its own "
+        "endpoint state, as with this gate on",
+    ),
+}
+"""Per feature gate other than flowControl: (warning when on, warning when off); empty =
+servegate behaves as llm-d does with that value. `dataLayer` and `prepareDataPlugins`
+switched on llm-d's pluggable data layer and producers, which servegate always runs."""
 
 
 class PickerConfigError(ValueError):
@@ -128,10 +152,38 @@ class SchedulingProfileSpec(_Strict):
     plugins: list[PluginRef] = Field(default_factory=list)
 
 
+class SectionRef(_Strict):
+    plugin_ref: str = Field(alias="pluginRef", min_length=1)
+
+
+class DataLayerSource(_Strict):
+    plugin_ref: str = Field(alias="pluginRef", min_length=1)
+    extractors: list[SectionRef] = Field(default_factory=list)
+
+
+class DataLayerSection(_Strict):
+    """llm-d's `dataLayer` (formerly `data`): sources, their extractors, discovery."""
+
+    inject_defaults: bool | None = Field(None, alias="injectDefaults")
+    sources: list[DataLayerSource] = Field(default_factory=list)
+    discovery: SectionRef | None = None
+    peer_discovery: SectionRef | None = Field(None, alias="peerDiscovery")
+    cross_replica_syncer_plugin_ref: str = Field("", alias="crossReplicaSyncerPluginRef")
+    cross_replica_sync_interval: str | None = Field(None, alias="crossReplicaSyncInterval")
+
+
+class RequestHandlerSection(_Strict):
+    parsers: list[SectionRef] = Field(default_factory=list)
+
+
 class EndpointPickerConfig(_Strict):
-    api_version: Literal["llm-d.ai/v1alpha1", "inference.networking.x-k8s.io/v1alpha1"] = Field(
-        alias="apiVersion"
-    )
+    api_version: Literal[
+        "llm-d.ai/v1alpha1",
+        "inference.networking.x-k8s.io/v1alpha1",
+        "llm-d.ai/v1",
+        "config.apix.gateway-api-inference-extension.sigs.k8s.io/v1alpha1",
+        "config.x-k8s.io/v1alpha1",
+    ] = Field(alias="apiVersion")
     kind: Literal["EndpointPickerConfig"]
     plugins: list[PluginSpec] = Field(default_factory=list)
     scheduling_profiles: list[SchedulingProfileSpec] = Field(
@@ -141,6 +193,12 @@ class EndpointPickerConfig(_Strict):
     flow_control: dict[str, Any] | None = Field(None, alias="flowControl")
     """llm-d's flow-control section; translated by `scheduling.flowcontrol.settings`."""
     saturation_detector: dict[str, Any] | None = Field(None, alias="saturationDetector")
+    data_layer: DataLayerSection | None = Field(None, alias="dataLayer")
+    data: DataLayerSection | None = None
+    """The older name of `dataLayer`."""
+    request_handler: RequestHandlerSection | None = Field(None, alias="requestHandler")
+    parser: SectionRef | None = None
+    """Deprecated in llm-d: one parser; `requestHandler.parsers` wins when both are set."""
 
 
 def _validation_message(exc: ValidationError) -> str:
@@ -155,7 +213,7 @@ def _validation_message(exc: ValidationError) -> str:
         elif where == "apiVersion":
             problems.append(
                 f"apiVersion: {err.get('input')!r} is not supported; use one of "
-                + ", ".join(API_VERSIONS)
+                + ", ".join((*API_VERSIONS, *OLDER_API_VERSIONS))
             )
         elif where == "kind":
             problems.append(f"kind: {err.get('input')!r}; set `kind: EndpointPickerConfig`")
@@ -169,7 +227,7 @@ def parse_picker_config(doc: Mapping[str, Any] | str) -> EndpointPickerConfig:
     """Decode (YAML text or an already-parsed mapping) into the typed document."""
     if isinstance(doc, str):
         try:
-            loaded = yaml.safe_load(doc)
+            loaded = yaml.load(doc, Loader=_YAML_LOADER)
         except yaml.YAMLError as exc:
             raise PickerConfigError(f"picker config is not valid YAML: {exc}") from exc
     else:
@@ -179,12 +237,6 @@ def parse_picker_config(doc: Mapping[str, Any] | str) -> EndpointPickerConfig:
             "picker config must be a mapping with apiVersion, kind, plugins and "
             f"schedulingProfiles; got {type(loaded).__name__}"
         )
-    for section in UNSUPPORTED_SECTIONS:
-        if section in loaded:
-            raise PickerConfigError(
-                f"{section}: this EndpointPickerConfig section is not supported by "
-                "servegate's picker config; remove it"
-            )
     try:
         return EndpointPickerConfig.model_validate(dict(loaded))
     except ValidationError as exc:
@@ -221,6 +273,8 @@ def _instantiate(
 
 
 def _is_profile_member(plugin: Plugin) -> bool:
+    if getattr(plugin, "kind", None) is not None:  # parsers, producers, data layer, policies
+        return False
     return isinstance(plugin, (Filter, Scorer, Picker))
 
 
@@ -232,7 +286,11 @@ def _default_picker(plugins: Mapping[str, Plugin]) -> Picker:
 
 
 def _build_profile(
-    spec: SchedulingProfileSpec, index: int, plugins: Mapping[str, Plugin], fallback: Picker
+    spec: SchedulingProfileSpec,
+    index: int,
+    plugins: Mapping[str, Plugin],
+    fallback: Picker,
+    notes: list[str],
 ) -> tuple[SchedulerProfile, bool]:
     where = f"schedulingProfiles[{index}] {spec.name!r}"
     filters: list[Filter] = []
@@ -256,6 +314,15 @@ def _build_profile(
                 f"{at} is a profile handler; handlers are declared under `plugins` only, "
                 "not referenced from a profile"
             )
+        kind = getattr(plugin, "kind", None)
+        if kind is not None:
+            if ref.weight is not None:
+                raise PickerConfigError(f"{at} is a {kind}; a weight applies to scorers only")
+            notes.append(
+                f"{at} is a {kind}, not a filter, scorer or picker: as in llm-d, listing it "
+                "in a profile has no effect (it runs for every request); remove the reference"
+            )
+            continue
         if not _is_profile_member(plugin):
             raise PickerConfigError(
                 f"{at} is not a filter, scorer or picker, so it cannot be part of a profile; "
@@ -283,14 +350,178 @@ def _build_profile(
     return SchedulerProfile(spec.name, filters, scorers, picker or fallback), used_fallback
 
 
-def _check_flow_control(config: EndpointPickerConfig, plugins: Mapping[str, Plugin]) -> None:
-    """Fail at load time, not at serve time, when llm-d's flow-control sections cannot be used."""
+def _referenced(
+    plugins: Mapping[str, Plugin], ref: str, where: str, kinds: tuple[str, ...], what: str
+) -> Plugin:
+    plugin = plugins.get(ref)
+    if plugin is None:
+        declared = ", ".join(plugins) or "none"
+        raise PickerConfigError(
+            f"{where}: pluginRef {ref!r} names no declared plugin (declared: {declared}); "
+            f"declare {what} under `plugins` or fix the reference"
+        )
+    if getattr(plugin, "kind", None) not in kinds and not (
+        "scorer" in kinds and plugin.type in PRECISE_SCORER_TYPES
+    ):
+        raise PickerConfigError(f"{where}: pluginRef {ref!r} is a {plugin.type!r}, not {what}")
+    return plugin
+
+
+def _check_sections(config: EndpointPickerConfig, plugins: Mapping[str, Plugin]) -> list[str]:
+    """Resolve the references of `requestHandler`/`parser` and `dataLayer`/`data`;
+    return what they mean for servegate as warnings (empty when nothing differs)."""
+    from servegate.scheduling.datasources import DISCOVERY_KIND, EXTRACTOR_KIND, SOURCE_KIND
+    from servegate.scheduling.parsers import PARSER_KIND
+    from servegate.scheduling.producers import PRODUCER_KIND
+
+    warnings: list[str] = []
+    parsers = config.request_handler.parsers if config.request_handler else []
+    where = "requestHandler.parsers"
+    if not parsers and config.parser is not None:
+        parsers, where = [config.parser], "parser"
+    for i, ref in enumerate(parsers):
+        _referenced(plugins, ref.plugin_ref, f"{where}[{i}]", (PARSER_KIND,), "a parser plugin")
+    if parsers and not any(plugins[r.plugin_ref].type == "openai-parser" for r in parsers):
+        warnings.append(
+            f"{where}: no openai-parser is listed, but servegate's gateway serves and parses "
+            "its OpenAI routes regardless of the parser list"
+        )
+    if config.data_layer is not None and config.data is not None:
+        raise PickerConfigError("dataLayer and data are the same section; keep dataLayer")
+    layer = config.data_layer or config.data
+    name = "dataLayer" if config.data_layer is not None else "data"
+    if layer is None:
+        return warnings
+    for i, source in enumerate(layer.sources):
+        at = f"{name}.sources[{i}]"
+        _referenced(plugins, source.plugin_ref, at, (SOURCE_KIND,), "a data source")
+        for j, extractor in enumerate(source.extractors):
+            _referenced(
+                plugins,
+                extractor.plugin_ref,
+                f"{at}.extractors[{j}]",
+                (EXTRACTOR_KIND, PRODUCER_KIND, "scorer"),
+                "an extractor (or a producer that reads this source)",
+            )
+    discoveries = {"discovery": layer.discovery, "peerDiscovery": layer.peer_discovery}
+    for field_name, found in discoveries.items():
+        if found is not None:
+            _referenced(
+                plugins, found.plugin_ref, f"{name}.{field_name}", (DISCOVERY_KIND,), "a discovery"
+            )
+    if layer.inject_defaults is False and not layer.sources:
+        warnings.append(
+            f"{name}.injectDefaults: false with no sources turns llm-d's metrics collection "
+            "off; servegate's pool scrapes its endpoints' metrics regardless"
+        )
+    if layer.cross_replica_syncer_plugin_ref or layer.cross_replica_sync_interval:
+        warnings.append(
+            f"{name}.crossReplicaSyncerPluginRef: servegate shares state between gateway "
+            "replicas with its own `scaleout` settings, not a syncer plugin"
+        )
+    return warnings
+
+
+def _flow_control_warnings(
+    config: EndpointPickerConfig, plugins: Mapping[str, Plugin]
+) -> list[str]:
+    """Resolve `flowControl`'s policy references; warn where servegate's queue differs."""
+    from servegate.scheduling.flowcontrol.policies import (
+        FAIRNESS_KIND,
+        ORDERING_KIND,
+        USAGE_LIMIT_KIND,
+    )
+    from servegate.scheduling.flowcontrol.settings import (
+        FlowControlSectionError,
+        picker_flow_control,
+    )
+
+    if config.flow_control is None:
+        return []
+    try:
+        section = picker_flow_control(config.flow_control)
+    except FlowControlSectionError as exc:
+        raise PickerConfigError(str(exc)) from exc
+    warnings: list[str] = []
+    bands = [("defaultPriorityBand", section.default_priority_band)]
+    bands.append(("defaultNegativePriorityBand", section.default_negative_priority_band))
+    bands.extend((f"priorityBands[{i}]", b) for i, b in enumerate(section.priority_bands))
+    for where, band in bands:
+        if band is None:
+            continue
+        at = f"flowControl.{where}"
+        if band.fairness_policy_ref:
+            _referenced(
+                plugins,
+                band.fairness_policy_ref,
+                f"{at}.fairnessPolicyRef",
+                (FAIRNESS_KIND,),
+                "a fairness policy",
+            )
+        if band.ordering_policy_ref:
+            _referenced(
+                plugins,
+                band.ordering_policy_ref,
+                f"{at}.orderingPolicyRef",
+                (ORDERING_KIND,),
+                "an ordering policy",
+            )
+        if band.default_request_ttl is not None and where.startswith("default"):
+            warnings.append(
+                f"{at}.defaultRequestTTL: only listed priorityBands take their own TTL in "
+                "servegate; this band uses flowControl.defaultRequestTTL"
+            )
+    if section.usage_limit_policy_plugin_ref:
+        _referenced(
+            plugins,
+            section.usage_limit_policy_plugin_ref,
+            "flowControl.usageLimitPolicyPluginRef",
+            (USAGE_LIMIT_KIND,),
+            "a usage-limit policy",
+        )
+    if section.no_endpoint_request_ttl is not None:
+        warnings.append(
+            "flowControl.noEndpointRequestTTL: servegate refuses a request at once when no "
+            "endpoint takes requests (503) instead of queueing it for this long"
+        )
+    if section.enable_eviction:
+        warnings.append(
+            "flowControl.enableEviction: servegate does not evict dispatched requests to make "
+            "room for higher priorities; queued ones leave only by TTL or client disconnect"
+        )
+    return warnings
+
+
+def _gate_warnings(config: EndpointPickerConfig) -> list[str]:
+    from servegate.scheduling.flowcontrol.settings import FlowControlSectionError, parse_gates
+
+    try:
+        gates = parse_gates(config.feature_gates)
+    except FlowControlSectionError as exc:
+        raise PickerConfigError(str(exc)) from exc
+    out = []
+    for gate, value in gates.items():
+        on, off = GATE_MEANINGS.get(gate, ("", ""))
+        reason = on if value else off
+        if reason:
+            out.append(f"featureGates: {gate}={str(value).lower()}: {reason}")
+    return out
+
+
+def _check_flow_control(
+    config: EndpointPickerConfig, plugins: dict[str, Plugin], ctx: PluginContext
+) -> None:
+    """Fail at load time, not at serve time, when llm-d's flow-control sections cannot be used.
+
+    As llm-d, a `pluginRef: utilization-detector` that names no declared plugin gets one
+    with default parameters (added to `plugins`)."""
     from servegate.scheduling.flowcontrol import (
         FlowControlSectionError,
         FlowControlSettings,
         from_picker_sections,
         resolve_detector,
     )
+    from servegate.scheduling.flowcontrol.saturation import UtilizationDetector
 
     try:
         _, plugin_ref = from_picker_sections(
@@ -299,6 +530,8 @@ def _check_flow_control(config: EndpointPickerConfig, plugins: Mapping[str, Plug
             config.flow_control,
             config.saturation_detector,
         )
+        if plugin_ref == UtilizationDetector.type and plugin_ref not in plugins:
+            plugins[plugin_ref] = UtilizationDetector.from_config(plugin_ref, {}, ctx)
         if plugin_ref:
             resolve_detector(plugin_ref, plugins)
     except FlowControlSectionError as exc:
@@ -345,6 +578,7 @@ def load_picker_config(
         )
 
     fallback = _default_picker(plugins)
+    notes: list[str] = []
     profiles: dict[str, SchedulerProfile] = {}
     needs_fallback = False
     if not config.scheduling_profiles:
@@ -371,7 +605,7 @@ def load_picker_config(
                     f"schedulingProfiles[{i}]: duplicate profile name {profile_spec.name!r}; "
                     "profile names must be unique"
                 )
-            profile, used = _build_profile(profile_spec, i, plugins, fallback)
+            profile, used = _build_profile(profile_spec, i, plugins, fallback, notes)
             profiles[profile_spec.name] = profile
             needs_fallback = needs_fallback or used
     if needs_fallback:
@@ -390,7 +624,7 @@ def load_picker_config(
             )
         while handler.name in plugins:
             handler = SingleProfileHandler(f"default-{handler.name}")
-    _check_flow_control(config, plugins)
+    _check_flow_control(config, plugins, ctx)
     if isinstance(handler, ProfileSetCheck):
         try:
             handler.check_profiles(profiles)
@@ -398,4 +632,19 @@ def load_picker_config(
             raise PickerConfigError(
                 f"profile handler {_label(handler.type, handler.name)}: {exc}"
             ) from exc
-    return Scheduler(profiles, handler, plugins)
+    warnings = notes
+    if config.api_version in OLDER_API_VERSIONS:
+        warnings.append(
+            f"apiVersion {config.api_version!r} is an older spelling; read as {API_VERSIONS[0]}"
+        )
+    warnings.extend(_gate_warnings(config))
+    warnings.extend(_check_sections(config, plugins))
+    warnings.extend(_flow_control_warnings(config, plugins))
+    for plugin in plugins.values():
+        if isinstance(plugin, StartupWarnings):
+            warnings.extend(plugin.startup_warnings())
+    scheduler = Scheduler(profiles, handler, plugins)
+    scheduler.warnings = tuple(warnings)
+    for warning in warnings:
+        log.warning("picker config: %s", warning)
+    return scheduler

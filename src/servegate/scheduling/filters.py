@@ -200,3 +200,133 @@ class FreshMetricsFilter:
         max_age = self.max_age
         fresh = [s for s in endpoints if s.is_fresh(now, max_age)]
         return fresh if fresh else list(endpoints)
+
+
+# -- llm-d router filters (issue 17) ---------------------------------------------------------
+
+
+class ByLabelParameters(Parameters):
+    label: str = Field(min_length=1)
+    valid_values: list[str] = Field(default_factory=list, alias="validValues")
+    allows_no_label: bool = Field(False, alias="allowsNoLabel")
+
+    @model_validator(mode="after")
+    def _values(self) -> Self:
+        if not self.valid_values and not self.allows_no_label:
+            raise ValueError("validValues must not be empty unless allowsNoLabel is true")
+        return self
+
+
+class ByLabelFilter:
+    """`by-label` (llm-d, deprecated there for label-selector-filter): keeps endpoints whose
+    `label` has one of `validValues`; endpoints without the label pass only with
+    `allowsNoLabel`."""
+
+    __slots__ = ("allows_no_label", "label", "name", "values")
+    type: ClassVar[str] = "by-label"
+
+    def __init__(self, name: str, params: ByLabelParameters) -> None:
+        self.name = name
+        self.label = params.label
+        self.values = frozenset(params.valid_values)
+        self.allows_no_label = params.allows_no_label
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        return cls(name, decode_parameters(ByLabelParameters, cls.type, name, parameters))
+
+    def filter(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> list[EndpointState]:
+        out = []
+        for s in endpoints:
+            value = s.endpoint.labels.get(self.label)
+            if value is None and self.label == ROLE_LABEL:
+                value = role_of(s.endpoint)
+            if (value is None and self.allows_no_label) or (
+                value is not None and value in self.values
+            ):
+                out.append(s)
+        return out
+
+
+class EncodeFilter(_RoleFilter):
+    """Keeps endpoints labelled to encode (multimodal inputs): `encode`, `encode-prefill`,
+    `encode-prefill-decode`. Unlabelled endpoints are dropped."""
+
+    __slots__ = ()
+    type: ClassVar[str] = "encode-filter"
+    keeps: ClassVar[frozenset[str | None]] = frozenset(
+        {"encode", "encode-prefill", "encode-prefill-decode"}
+    )
+
+
+UtilizationMetric = Literal[
+    "active-requests", "running-requests", "waiting-queue", "kv-cache-utilization"
+]
+
+
+class UtilizationCondition(Parameters):
+    metric: UtilizationMetric
+    max_value: float = Field(alias="maxValue", ge=0.0)
+
+    @model_validator(mode="after")
+    def _fraction(self) -> Self:
+        if self.metric == "kv-cache-utilization" and self.max_value > 1.0:
+            raise ValueError("maxValue of kv-cache-utilization is a fraction: at most 1")
+        return self
+
+
+class UtilizationFilterParameters(Parameters):
+    conditions: list[UtilizationCondition] = Field(min_length=1)
+    fallback_on_empty: bool = Field(False, alias="fallbackOnEmpty")
+    in_flight_load_producer_name: str | None = Field(
+        None, alias="inFlightLoadProducerName", min_length=1
+    )
+    """llm-d's reference to the in-flight load; servegate's pool counts it itself."""
+
+
+def _metric(state: EndpointState, metric: str) -> float:
+    if metric == "active-requests":
+        return float(state.in_flight_requests)
+    m = state.metrics
+    if metric == "running-requests":
+        return float(m.running)
+    if metric == "waiting-queue":
+        return float(m.waiting)
+    return float(m.kv_usage)
+
+
+class UtilizationFilter:
+    """`utilization-filter`: drops endpoints over any of the configured caps.
+
+    An endpoint is kept when every condition's metric is ≤ its `maxValue`:
+    `active-requests` (this router's in flight), `running-requests` and
+    `waiting-queue` (the replica's metrics), `kv-cache-utilization` (0-1). When
+    nothing is left and `fallbackOnEmpty` is true, every candidate is kept.
+    """
+
+    __slots__ = ("conditions", "fallback_on_empty", "name")
+    type: ClassVar[str] = "utilization-filter"
+
+    def __init__(self, name: str, params: UtilizationFilterParameters) -> None:
+        self.name = name
+        self.conditions = tuple((c.metric, c.max_value) for c in params.conditions)
+        self.fallback_on_empty = params.fallback_on_empty
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        p = decode_parameters(UtilizationFilterParameters, cls.type, name, parameters)
+        return cls(name, p)
+
+    def filter(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> list[EndpointState]:
+        kept = [
+            s
+            for s in endpoints
+            if all(_metric(s, metric) <= cap for metric, cap in self.conditions)
+        ]
+        if not kept and self.fallback_on_empty:
+            return list(endpoints)
+        return kept

@@ -129,6 +129,15 @@ class Decision:
     primary_port: int | None = None
     """Data parallelism behind a sidecar: send to this port on the chosen endpoint's host,
     naming the chosen rank (`ip:port`) in `x-data-parallel-host-port`."""
+    encoders: list[EndpointState] = field(default_factory=list)
+    """E/PD: the endpoints that encode the request's multimodal inputs, named to the
+    decode sidecar in `x-encoder-hosts-ports`; empty when no encode stage ran."""
+    rank_header: bool = False
+    """vLLM's single-API-server data parallelism: each attempt names the target's
+    least-loaded rank in `X-data-parallel-rank`."""
+    upstream_headers: dict[str, str] = field(default_factory=dict)
+    """Headers `PreRequest` plugins add to the request sent to the replica (llm-d's
+    `x-kv-cache-source-host-port` from `p2p-source-producer`)."""
 
     @property
     def targets(self) -> list[EndpointState]:

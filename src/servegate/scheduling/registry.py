@@ -182,4 +182,56 @@ def builtin_registry() -> dict[str, PluginFactory]:
         disagg.DisaggHeadersHandler.type: disagg.DisaggHeadersHandler.from_config,
         disagg.LEGACY_HEADERS_HANDLER_TYPE: disagg.DisaggHeadersHandler.from_config,
     }
+    registry.update(_llmd_router_types())
     return registry
+
+
+def _llmd_router_types() -> dict[str, PluginFactory]:
+    """The plugin kinds of llm-d's current router that are not filters, scorers or pickers
+    (issue 17): producers, parsers, data layer, flow-control policies. Kept in one block so
+    that other additions (the latency predictor's types, issue 21) merge beside it."""
+    from servegate.scheduling import (
+        admitters,
+        affinity,
+        datasources,
+        disagg,
+        filters,
+        parsers,
+        producers,
+        profiles,
+        scorers,
+        unsupported,
+    )
+    from servegate.scheduling.flowcontrol import policies
+
+    out: dict[str, PluginFactory] = {
+        filters.ByLabelFilter.type: filters.ByLabelFilter.from_config,
+        filters.EncodeFilter.type: filters.EncodeFilter.from_config,
+        filters.UtilizationFilter.type: filters.UtilizationFilter.from_config,
+        affinity.SessionAffinityFilter.type: affinity.SessionAffinityFilter.from_config,
+        scorers.ContextLengthAware.type: scorers.ContextLengthAware.from_config,
+        scorers.HeaderLabelAffinityScorer.type: scorers.HeaderLabelAffinityScorer.from_config,
+        profiles.HeaderProfileHandler.type: profiles.HeaderProfileHandler.from_config,
+        disagg.AlwaysDisaggMultimodalDecider.type: (
+            disagg.AlwaysDisaggMultimodalDecider.from_config
+        ),
+        admitters.ProbabilisticAdmitter.type: admitters.ProbabilisticAdmitter.from_config,
+        producers.ApproxPrefixCacheProducer.type: producers.ApproxPrefixCacheProducer.from_config,
+        producers.PrecisePrefixCacheProducer.type: (
+            producers.PrecisePrefixCacheProducer.from_config
+        ),
+        producers.BurstPrefixCacheProducer.type: producers.BurstPrefixCacheProducer.from_config,
+    }
+    for family in (
+        producers.PRODUCERS,
+        parsers.PARSERS,
+        datasources.SOURCES,
+        datasources.EXTRACTORS,
+        (datasources.FileDiscovery,),
+        policies.POLICIES,
+        unsupported.SCHEDULING,
+        unsupported.DECLARED,
+    ):
+        for cls in family:
+            out[cls.type] = cls.from_config
+    return out

@@ -218,6 +218,7 @@ class Scheduler:
         "profiles",
         "sample_size",
         "stats",
+        "warnings",
     )
 
     def __init__(
@@ -252,6 +253,8 @@ class Scheduler:
         self.handler = handler
         self.plugins = dict(plugins)
         self.stats = SchedulerStats()
+        self.warnings: tuple[str, ...] = ()
+        """What the picker config asks for that servegate does differently (logged at load)."""
         timed: list[Plugin] = [handler, *self.plugins.values()]
         for profile in self.profiles.values():
             timed.extend(profile.filters)
@@ -260,7 +263,9 @@ class Scheduler:
         for plugin in timed:
             self.stats.plugins.setdefault(plugin.name, PluginTiming())
         self._timings = self.stats.plugins
-        self._hooks_pre = [p for p in self.plugins.values() if isinstance(p, PreRequest)]
+        pre = [p for p in self.plugins.values() if isinstance(p, PreRequest)]
+        # plugins that read what the indexes held before this decision go first
+        self._hooks_pre = sorted(pre, key=lambda p: not getattr(p, "reads_before_records", False))
         self._hooks_complete = [p for p in self.plugins.values() if isinstance(p, ResponseComplete)]
         for hook in (*self._hooks_pre, *self._hooks_complete):
             self.stats.hooks.setdefault(hook.name, PluginTiming())
@@ -466,4 +471,5 @@ class Scheduler:
                 for name, profile in self.profiles.items()
             ],
             "plugins": [_describe(p) for p in self.plugins.values()],
+            "warnings": list(self.warnings),
         }

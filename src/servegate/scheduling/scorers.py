@@ -242,3 +242,130 @@ class LoraAffinityScorer(ParameterlessPlugin):
             else:
                 out.append(0.0)
         return out
+
+
+# -- llm-d router scorers (issue 17) ---------------------------------------------------------
+
+CONTEXT_LENGTH_LABEL = "llm-d.ai/context-length-range"
+_OUT_OF_RANGE_CEILING = 0.3
+
+
+class ContextLengthParameters(Parameters):
+    label: str = Field(CONTEXT_LENGTH_LABEL, min_length=1)
+    enable_filtering: bool = Field(False, alias="enableFiltering")
+
+
+def parse_range(text: str) -> tuple[int, int] | None:
+    """`"min-max"` token counts, or None when the label is not such a range."""
+    low, sep, high = text.partition("-")
+    if not sep:
+        return None
+    try:
+        lo, hi = int(low.strip()), int(high.strip())
+    except ValueError:
+        return None
+    return (lo, hi) if lo <= hi else None
+
+
+def range_score(length: int, lo: int, hi: int) -> float:
+    """llm-d's context-length score: above 0.3 inside the range, below it outside.
+
+    Inside: 0.3 + 0.7 × (0.7 × narrowness + 0.3 × headroom), narrowness
+    `1/(1 + width/10000)` (specialised replicas first), headroom the share of the
+    range above the request; a zero-width range that fits scores 1. Outside:
+    `0.3 / (1 + distance/1000)`, so the nearest range wins among misfits.
+    """
+    if lo <= length <= hi:
+        width = hi - lo
+        if width == 0:
+            return 1.0
+        narrow = 1.0 / (1.0 + width / 10000.0)
+        headroom = (hi - length) / width
+        inner = 0.7 * narrow + 0.3 * headroom
+        return _OUT_OF_RANGE_CEILING + inner * (1.0 - _OUT_OF_RANGE_CEILING)
+    distance = length - hi if length > hi else lo - length
+    return _OUT_OF_RANGE_CEILING / (1.0 + distance / 1000.0)
+
+
+class ContextLengthAware:
+    """`context-length-aware`: a scorer (and, with `enableFiltering`, a filter) on the prompt
+    length against each replica's `min-max` token range label.
+
+    The length is `request.prompt_tokens` (exact when a tokenizer ran, else the
+    estimate). Replicas without the label score 0.5 and always pass the filter; a
+    label that is not a range scores 0 and is filtered out.
+    """
+
+    __slots__ = ("enable_filtering", "label", "name")
+    type: ClassVar[str] = "context-length-aware"
+
+    def __init__(self, name: str, params: ContextLengthParameters) -> None:
+        self.name = name
+        self.label = params.label
+        self.enable_filtering = params.enable_filtering
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        return cls(name, decode_parameters(ContextLengthParameters, cls.type, name, parameters))
+
+    def filter(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> list[EndpointState]:
+        if not self.enable_filtering:
+            return endpoints
+        n = request.prompt_tokens
+        out = []
+        for s in endpoints:
+            text = s.endpoint.labels.get(self.label)
+            if text is None:
+                out.append(s)
+                continue
+            bounds = parse_range(text)
+            if bounds is not None and bounds[0] <= n <= bounds[1]:
+                out.append(s)
+        return out
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> list[float]:
+        n = request.prompt_tokens
+        out = []
+        for s in endpoints:
+            text = s.endpoint.labels.get(self.label)
+            if text is None:
+                out.append(0.5)
+                continue
+            bounds = parse_range(text)
+            out.append(0.0 if bounds is None else range_score(n, *bounds))
+        return out
+
+
+class HeaderLabelAffinityParameters(Parameters):
+    header_name: str = Field(alias="headerName", min_length=1)
+    label_key: str = Field(alias="labelKey", min_length=1)
+
+
+class HeaderLabelAffinityScorer:
+    """`header-label-affinity-scorer`: 1 for endpoints whose label `labelKey` equals the
+    request's `headerName` header, 0 for the others (which stay eligible)."""
+
+    __slots__ = ("header", "label", "name")
+    type: ClassVar[str] = "header-label-affinity-scorer"
+
+    def __init__(self, name: str, params: HeaderLabelAffinityParameters) -> None:
+        self.name = name
+        self.header = params.header_name.lower()
+        self.label = params.label_key
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        p = decode_parameters(HeaderLabelAffinityParameters, cls.type, name, parameters)
+        return cls(name, p)
+
+    def score(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> list[float]:
+        wanted = request.headers.get(self.header, "").strip()
+        if not wanted:
+            return [0.0] * len(endpoints)
+        return [1.0 if s.endpoint.labels.get(self.label) == wanted else 0.0 for s in endpoints]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -99,9 +99,11 @@ class FlowController:
         *,
         enabled: bool = True,
         ttl_s: float = 60.0,
+        band_ttl_s: Mapping[int, float] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`endpoints(now)` = the endpoints that take requests now; `ttl_s` 0 = wait forever.
+        """`endpoints(now)` = the endpoints that take requests now; `ttl_s` 0 = wait forever;
+        `band_ttl_s` (priority → seconds) overrides `ttl_s` for the bands it names.
 
         With `enabled=False` nothing is queued: requests pass, except that
         negative priorities are shed while the pool is saturated (llm-d's
@@ -112,6 +114,7 @@ class FlowController:
         self.queues = queues if queues is not None else FlowQueues()
         self.enabled = enabled
         self.ttl_s = ttl_s
+        self.band_ttl_s = dict(band_ttl_s or {})
         self.stats = FlowStats()
         self.pending = 0
         """Requests released by the dispatcher whose callers have not resumed yet."""
@@ -176,7 +179,8 @@ class FlowController:
             raise Rejected(Outcome.REJECTED_CAPACITY, f"{exc}; try again later") from exc
         waiter: asyncio.Future[Outcome] = loop.create_future()
         ticket.waiter = waiter
-        expiry = loop.call_later(self.ttl_s, self._expire, ticket) if self.ttl_s > 0 else None
+        ttl = self.band_ttl_s.get(priority, self.ttl_s)
+        expiry = loop.call_later(ttl, self._expire, ticket) if ttl > 0 else None
         self._dispatch()
         try:
             outcome = await waiter

@@ -47,6 +47,8 @@ class BandSettings(_Strict):
 
 class PriorityBandSettings(BandSettings):
     priority: int
+    request_ttl_s: float | None = Field(None, ge=0)
+    """This band's longest wait in the queue; None = `default_request_ttl_s`."""
 
 
 class DetectorSettings(_Strict):
@@ -78,6 +80,12 @@ class FlowControlSettings(_Strict):
 
     def bands(self) -> dict[int, BandLimits]:
         return {b.priority: b.limits() for b in self.priority_bands}
+
+    def band_ttls(self) -> dict[int, float]:
+        """Priority → queue TTL for the bands that set their own."""
+        return {
+            b.priority: b.request_ttl_s for b in self.priority_bands if b.request_ttl_s is not None
+        }
 
     def priorities(self) -> dict[str, int]:
         return {o.name: o.priority for o in self.objectives}
@@ -118,6 +126,10 @@ class _PickerBand(_Camel):
     priority: int = 0
     max_bytes: str | int | None = Field(None, alias="maxBytes")
     max_requests: str | int | None = Field(None, alias="maxRequests")
+    fairness_policy_ref: str = Field("", alias="fairnessPolicyRef")
+    ordering_policy_ref: str = Field("", alias="orderingPolicyRef")
+    default_request_ttl: str | float | None = Field(None, alias="defaultRequestTTL")
+    """An older llm-d field: this band's queue TTL (see `band_ttls`)."""
 
 
 class _PickerFlowControl(_Camel):
@@ -130,6 +142,14 @@ class _PickerFlowControl(_Camel):
     )
     priority_bands: list[_PickerBand] = Field(default_factory=list, alias="priorityBands")
     saturation_detector: _PluginRef | None = Field(None, alias="saturationDetector")
+    no_endpoint_request_ttl: str | float | None = Field(None, alias="noEndpointRequestTTL")
+    usage_limit_policy_plugin_ref: str = Field("", alias="usageLimitPolicyPluginRef")
+    enable_eviction: bool = Field(False, alias="enableEviction")
+
+
+def picker_flow_control(raw: Mapping[str, Any] | None) -> _PickerFlowControl:
+    """llm-d's `flowControl` section, decoded (for the loader's reference checks)."""
+    return _decode(_PickerFlowControl, raw, "flowControl")
 
 
 def _decode(model: type[_C], raw: Mapping[str, Any] | None, section: str) -> _C:
@@ -148,24 +168,40 @@ def _decode(model: type[_C], raw: Mapping[str, Any] | None, section: str) -> _C:
         raise FlowControlSectionError("; ".join(problems)) from exc
 
 
-def gate_enabled(gates: list[str] | None) -> bool | None:
-    """The flowControl gate's value in llm-d's `featureGates` list; None when not named."""
-    value: bool | None = None
+FEATURE_GATES: dict[str, str] = {
+    FLOW_CONTROL_GATE: "",
+    "dataLayer": "",
+    "prepareDataPlugins": "",
+    "enableLegacyMetrics": "",
+    "haPopulateNonLeaderDatastore": "",
+}
+"""Every feature gate llm-d has registered, current or past; the loader says what each
+means in servegate (`scheduling.config.gate_warnings`). Anything else is a typo."""
+
+
+def parse_gates(gates: list[str] | None) -> dict[str, bool]:
+    """llm-d's `featureGates` list (`name`, `name=true`, `name=false`) as name → value."""
+    out: dict[str, bool] = {}
     for gate in gates or []:
         name, _, setting = gate.partition("=")
-        if name.strip() != FLOW_CONTROL_GATE:
+        name = name.strip()
+        if name not in FEATURE_GATES:
             raise FlowControlSectionError(
-                f"featureGates: {name.strip()!r} is not a feature gate servegate knows; "
-                f"the only one is {FLOW_CONTROL_GATE!r}"
+                f"featureGates: {name!r} is not a feature gate; known gates: "
+                + ", ".join(FEATURE_GATES)
             )
         setting = setting.strip().lower()
         if setting not in ("", "true", "false"):
             raise FlowControlSectionError(
-                f"featureGates: {gate!r}; write {FLOW_CONTROL_GATE!r}, "
-                f"'{FLOW_CONTROL_GATE}=true' or '{FLOW_CONTROL_GATE}=false'"
+                f"featureGates: {gate!r}; write {name!r}, '{name}=true' or '{name}=false'"
             )
-        value = setting != "false"
-    return value
+        out[name] = setting != "false"
+    return out
+
+
+def gate_enabled(gates: list[str] | None) -> bool | None:
+    """The flowControl gate's value in llm-d's `featureGates` list; None when not named."""
+    return parse_gates(gates).get(FLOW_CONTROL_GATE)
 
 
 def _quantity(value: str | int | None, where: str) -> int | None:
@@ -250,9 +286,18 @@ def from_picker_sections(
                         f"flowControl.priorityBands[{i}]: priority {band.priority} is listed twice"
                     )
                 seen.add(band.priority)
+                ttl: float | None = None
+                if band.default_request_ttl is not None:
+                    try:
+                        ttl = parse_duration(band.default_request_ttl)
+                    except ValueError as exc:
+                        raise FlowControlSectionError(
+                            f"flowControl.priorityBands[{i}].defaultRequestTTL: {exc}"
+                        ) from exc
                 bands.append(
                     PriorityBandSettings(
                         priority=band.priority,
+                        request_ttl_s=ttl,
                         **_band(band, f"priorityBands[{i}]", default_band),
                     )
                 )

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Literal, Self
 
 import xxhash
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.framework import CycleState, Decision
@@ -44,12 +44,34 @@ class ApproxPrefixParameters(Parameters):
     block_size_tokens: int = Field(16, alias="blockSizeTokens", ge=1)
     block_size: int | None = Field(None, alias="blockSize", ge=1)
     """Deprecated llm-d field: block size in characters."""
+    hash_block_size: int | None = Field(None, alias="hashBlockSize", ge=1)
+    """The Gateway API Inference Extension's name of the same: characters per block."""
     max_prefix_blocks_to_match: int = Field(256, alias="maxPrefixBlocksToMatch", ge=1)
     lru_capacity_per_server: int = Field(31250, alias="lruCapacityPerServer", ge=1)
     cold_placement: Literal["none", "hash"] = Field("none", alias="coldPlacement")
     """servegate: `hash` scores 1.0 for one endpoint chosen by the prompt's first block
     (rendezvous hashing) when no endpoint has any of its blocks, so that routers that
     cannot hear each other in time place a new prefix on the same replica."""
+
+    @model_validator(mode="after")
+    def _one_char_size(self) -> Self:
+        if self.block_size is not None and self.hash_block_size is not None:
+            raise ValueError("blockSize and hashBlockSize are the same setting; keep one")
+        return self
+
+    def chars_per_block(self) -> int:
+        return self.block_size or self.hash_block_size or self.block_size_tokens * CHARS_PER_TOKEN
+
+
+class ScorerParameters(ApproxPrefixParameters):
+    """`prefix-cache-scorer`: its own index's parameters, or the producer it reads."""
+
+    prefix_match_info_producer_name: str | None = Field(
+        None, alias="prefixMatchInfoProducerName", min_length=1
+    )
+
+
+INDEX_FIELDS = frozenset(ApproxPrefixParameters.model_fields)
 
 
 class ServerLRU:
@@ -164,11 +186,23 @@ class ApproxPrefixIndex:
 
 
 class PrefixCacheScorer:
-    """`prefix-cache-scorer`: matched leading blocks / prompt blocks, from routing history."""
+    """`prefix-cache-scorer`: matched leading blocks / prompt blocks, from routing history.
+
+    With `prefixMatchInfoProducerName` (or, when it has no parameters, with a producer
+    declared under the type name `approx-prefix-cache-producer` /
+    `precise-prefix-cache-producer`) it is llm-d's consumer: it scores with the
+    producer's match and keeps no index of its own.
+    """
 
     type: ClassVar[str] = "prefix-cache-scorer"
 
-    def __init__(self, name: str, params: ApproxPrefixParameters) -> None:
+    def __init__(
+        self,
+        name: str,
+        params: ApproxPrefixParameters,
+        producer_name: str | None = None,
+        own_index_configured: bool = True,
+    ) -> None:
         self.name = name
         self.params = params
         self.index = ApproxPrefixIndex(params.lru_capacity_per_server)
@@ -176,17 +210,48 @@ class PrefixCacheScorer:
         """Set by scale-out to share local insertions; remote ones go to `index.insert`."""
         self.seed_key: bytes | None = None
         """Set by scale-out from `scaleout.prefix_key_file`: block keys chain from a keyed seed."""
+        self.producer_name = producer_name
+        self.producer: Any = None
+        """The `PrefixProducer` this scorer reads, once bound; None = its own index."""
+        self._may_bind_default = producer_name is None and not own_index_configured
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        return cls(name, decode_parameters(ApproxPrefixParameters, cls.type, name, parameters))
+        p = decode_parameters(ScorerParameters, cls.type, name, parameters)
+        index_given = bool(p.model_fields_set & INDEX_FIELDS)
+        if p.prefix_match_info_producer_name is not None and index_given:
+            raise ValueError(
+                f"plugin {name!r}: with prefixMatchInfoProducerName the index parameters "
+                "belong to the producer; remove "
+                + ", ".join(
+                    sorted(
+                        str(ApproxPrefixParameters.model_fields[f].alias)
+                        for f in p.model_fields_set & INDEX_FIELDS
+                    )
+                )
+            )
+        index = ApproxPrefixParameters.model_validate(
+            p.model_dump(by_alias=True, exclude={"prefix_match_info_producer_name"})
+        )
+        return cls(name, index, p.prefix_match_info_producer_name, index_given)
+
+    def bind_plugins(self, plugins: Mapping[str, Any]) -> None:
+        from servegate.scheduling.producers import find_prefix_producer
+
+        if self.producer_name is None and not self._may_bind_default:
+            return
+        self.producer = find_prefix_producer(
+            plugins, self.producer_name, "prefixMatchInfoProducerName"
+        )
 
     def block_keys(self, request: LLMRequest) -> list[int]:
-        cached = request.cache.get(HASHES_KEY)
+        p = self.params
+        cache_key = f"{HASHES_KEY}/{p.block_size_tokens}/{p.chars_per_block()}"
+        cache_key += f"/{p.max_prefix_blocks_to_match}"
+        cached = request.cache.get(cache_key)
         if cached is not None:
             keys: list[int] = cached
             return keys
-        p = self.params
         seed = chain_seed(request.base_model, request.lora)
         if self.seed_key is not None:
             seed = keyed_seed(self.seed_key, seed)
@@ -196,14 +261,18 @@ class PrefixCacheScorer:
                 tokens, p.block_size_tokens, seed, p.max_prefix_blocks_to_match
             )
         else:
-            chars = p.block_size or p.block_size_tokens * CHARS_PER_TOKEN
+            chars = p.chars_per_block()
             keys = char_block_hashes(request.prompt, chars, seed, p.max_prefix_blocks_to_match)
-        request.cache[HASHES_KEY] = keys
+        request.cache[cache_key] = keys
         return keys
 
     def score(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
     ) -> Sequence[float]:
+        if self.producer is not None:
+            from servegate.scheduling.affinity import prefix_scores
+
+            return prefix_scores(cycle, self.producer.source, request, endpoints)
         keys = self.block_keys(request)
         if not keys:
             return [0.0] * len(endpoints)
@@ -219,6 +288,9 @@ class PrefixCacheScorer:
     def shortlist(self, cycle: CycleState, request: LLMRequest, limit: int) -> list[str] | None:
         """The replicas holding this prompt's longest prefixes; `None` under hashed cold
         placement, whose rendezvous choice needs every candidate."""
+        if self.producer is not None:
+            ask = getattr(self.producer.source, "shortlist", None)
+            return None if ask is None else ask(cycle, request, limit)
         keys = self.block_keys(request)
         holders = self.index.deepest_holders(keys, limit)
         if not holders and self.params.cold_placement == "hash":
@@ -237,6 +309,8 @@ class PrefixCacheScorer:
         return max(1, m.num_blocks * m.block_size // self.params.block_size_tokens)
 
     def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None:
+        if self.producer is not None:
+            return  # the producer records the decision
         keys = self.block_keys(request)
         if not keys:
             return

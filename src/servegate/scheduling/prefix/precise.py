@@ -33,7 +33,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from servegate.config import KVEventsPoolSettings
 from servegate.datalayer.kvevents.events import (
@@ -62,8 +62,32 @@ _UNLIMITED = 1 << 30
 class TokenProcessorConfig(Parameters):
     block_size: int = Field(16, alias="blockSize", ge=1)
     """Tokens per block when a replica has published neither events nor its geometry."""
+    block_size_tokens: int | None = Field(None, alias="blockSizeTokens", ge=1)
+    """The current llm-d name of `blockSize`."""
     hash_seed: str = Field("", alias="hashSeed")
     """Accepted for llm-d compatibility; unused (servegate computes its own keys)."""
+
+    @model_validator(mode="after")
+    def _one_size(self) -> Self:
+        if self.block_size_tokens is not None and "block_size" in self.model_fields_set:
+            raise ValueError("blockSize and blockSizeTokens are the same setting; keep one")
+        return self
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.block_size_tokens or self.block_size
+
+
+def _go_duration(value: str | int | None) -> str | int | None:
+    """A Go `time.Duration`: a string (`60s`) or, as Go's JSON writes it, integer nanoseconds."""
+    if value is None:
+        return None
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError("a duration in nanoseconds must be > 0")
+        return value
+    parse_duration(value)
+    return value
 
 
 class InMemoryConfig(Parameters):
@@ -74,7 +98,23 @@ class InMemoryConfig(Parameters):
 class KVBlockIndexConfig(Parameters):
     in_memory_config: InMemoryConfig | None = Field(None, alias="inMemoryConfig")
     enable_metrics: bool = Field(False, alias="enableMetrics")
-    metrics_logging_interval: str | None = Field(None, alias="metricsLoggingInterval")
+    metrics_logging_interval: str | int | None = Field(None, alias="metricsLoggingInterval")
+    """Accepted for llm-d compatibility (a Go duration: `60s` or integer nanoseconds);
+    servegate exports the index counters on /metrics instead of logging them."""
+    max_prefix_blocks_to_match: int | None = Field(None, alias="maxPrefixBlocksToMatch", ge=1)
+    """At most this many leading blocks of a prompt are looked up (and count in the score)."""
+
+    @field_validator("metrics_logging_interval")
+    @classmethod
+    def _interval(cls, value: str | int | None) -> str | int | None:
+        return _go_duration(value)
+
+
+class PrefixStoreConfig(Parameters):
+    """Older llm-d layout: the tokenization prefix cache; servegate keeps its own."""
+
+    cache_size: int | None = Field(None, alias="cacheSize", ge=1)
+    block_size: int | None = Field(None, alias="blockSize", ge=1)
 
 
 class BackendConfig(Parameters):
@@ -87,6 +127,9 @@ class IndexerConfig(Parameters):
     backend_configs: list[BackendConfig] | None = Field(None, alias="kvCacheBackendConfigs")
     tokenizers_pool_config: dict[str, Any] | None = Field(None, alias="tokenizersPoolConfig")
     """Accepted for llm-d compatibility; servegate tokenises per the pool's `tokenizer`."""
+    token_processor_config: TokenProcessorConfig | None = Field(None, alias="tokenProcessorConfig")
+    """The older layout: `tokenProcessorConfig` inside `indexerConfig`."""
+    prefix_store_config: PrefixStoreConfig | None = Field(None, alias="prefixStoreConfig")
 
 
 class PodDiscoveryConfig(Parameters):
@@ -124,6 +167,26 @@ class PrecisePrefixParameters(Parameters):
     speculative_ttl: str = Field("2s", alias="speculativeTTL")
     max_blocks_per_endpoint: int = Field(131_072, alias="maxBlocksPerEndpoint", ge=1)
     """servegate: engine blocks remembered per replica (LRU)."""
+
+    @model_validator(mode="after")
+    def _one_token_processor(self) -> Self:
+        nested = self.indexer_config.token_processor_config if self.indexer_config else None
+        if nested is not None and "token_processor_config" in self.model_fields_set:
+            raise ValueError(
+                "tokenProcessorConfig is given twice (top level and inside indexerConfig); "
+                "keep the top-level one"
+            )
+        return self
+
+    def token_processor(self) -> TokenProcessorConfig:
+        """The token processor settings, from whichever layout the document uses."""
+        nested = self.indexer_config.token_processor_config if self.indexer_config else None
+        return nested or self.token_processor_config
+
+    def max_prefix_blocks(self) -> int:
+        index = self.indexer_config.kv_block_index_config if self.indexer_config else None
+        limit = index.max_prefix_blocks_to_match if index is not None else None
+        return limit or _UNLIMITED
 
     @field_validator("speculative_ttl")
     @classmethod
@@ -488,6 +551,23 @@ class PreciseIndex:
             n += 1
         return n
 
+    def tier_blocks(
+        self, address: str, token_ids: Sequence[int], tier: str, lora: str | None = None
+    ) -> int:
+        """Leading full blocks of a prompt that `address` holds in the tier named `tier`."""
+        bs = self.block_size(address)
+        index = self._tiers.get(tier.lower())
+        if bs is None or index is None:
+            return 0
+        keys = token_block_hashes(token_ids, bs, lora_seed(lora), _UNLIMITED)
+        n = 0
+        for key in keys:
+            holding = self._holders.get(key, {}).get(address)
+            if holding is None or len(holding) <= index + 1 or holding[index + 1] <= 0:
+                break
+            n += 1
+        return n
+
     def predicted_hit_tokens(
         self, address: str, token_ids: Sequence[int], lora: str | None = None
     ) -> int:
@@ -515,7 +595,8 @@ class PrecisePrefixCacheScorer:
         if indexer is not None and indexer.backend_configs is not None:
             weights = {b.name.lower(): b.weight for b in indexer.backend_configs}
         self.index = PreciseIndex(weights, params.max_blocks_per_endpoint)
-        self.default_block_size = params.token_processor_config.block_size
+        self.default_block_size = params.token_processor().tokens_per_block
+        self.max_blocks = params.max_prefix_blocks()
         self.speculative_ttl = parse_duration(params.speculative_ttl)
 
     @classmethod
@@ -540,7 +621,7 @@ class PrecisePrefixCacheScorer:
         keys = cache.get(block_size)
         if keys is None:
             keys = cache[block_size] = token_block_hashes(
-                tokens, block_size, lora_seed(request.lora), _UNLIMITED
+                tokens, block_size, lora_seed(request.lora), self.max_blocks
             )
         return keys
 
@@ -589,13 +670,22 @@ class PrecisePrefixCacheScorer:
 # -- wiring (the gateway) -------------------------------------------------------------------
 
 
+def precise_owners(plugins: Mapping[str, Plugin]) -> dict[str, PrecisePrefixCacheScorer]:
+    """Plugin name → the precise scorer that owns an index: the scorer itself, or the
+    inner scorer of a `precise-prefix-cache-producer`."""
+    out: dict[str, PrecisePrefixCacheScorer] = {}
+    for name, plugin in plugins.items():
+        inner = getattr(plugin, "source", None)
+        if isinstance(inner, PrecisePrefixCacheScorer):
+            out[name] = inner
+        elif isinstance(plugin, PrecisePrefixCacheScorer):
+            out[name] = plugin
+    return out
+
+
 def precise_indexes(plugins: Mapping[str, Plugin]) -> dict[str, PreciseIndex]:
     """Plugin name → index, for every precise prefix scorer: what KV events must feed."""
-    return {
-        name: plugin.index
-        for name, plugin in plugins.items()
-        if isinstance(plugin, PrecisePrefixCacheScorer)
-    }
+    return {name: owner.index for name, owner in precise_owners(plugins).items()}
 
 
 def kv_events_settings(
@@ -612,9 +702,7 @@ def kv_events_settings(
             curve=pool.curve,
             allow_unauthenticated_bind=pool.allow_unauthenticated_bind,
         )
-    for plugin in plugins.values():
-        if not isinstance(plugin, PrecisePrefixCacheScorer):
-            continue
+    for plugin in precise_owners(plugins).values():
         llmd = plugin.params.kv_events_config
         if llmd is None or not (llmd.discover_pods or llmd.zmq_endpoint):
             continue
