@@ -112,8 +112,9 @@ async def test_non_streaming_request_round_trip(
     assert mutation["x-request-id"] == "r-1"
     registry = picker.gw.metrics.registry
     labels = {"model_name": MODEL, "target_model_name": MODEL}
+    counted = {**labels, "priority": "0"}
     await wait_for(
-        lambda: registry.get_sample_value("inference_objective_request_total", labels) == 1.0,
+        lambda: registry.get_sample_value("inference_objective_request_total", counted) == 1.0,
         what="the request counted",
     )
     assert registry.get_sample_value("inference_objective_output_tokens_sum", labels) == 8.0

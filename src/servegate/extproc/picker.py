@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from servegate.gateway.app import Gateway
 from servegate.gateway.errors import ModelNotFound, NoEndpoints
+from servegate.gateway.headers import within_subset
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.framework import CycleState, Decision, NoCandidates
 from servegate.scheduling.request import LLMRequest
@@ -40,12 +41,6 @@ def resolve_model(gw: Gateway, llm: LLMRequest) -> None:
     llm.target_model = entry.id
     llm.base_model = entry.base
     llm.lora = entry.id if entry.parent else None
-
-
-def within_subset(candidates: list[EndpointState], subset: Sequence[str]) -> list[EndpointState]:
-    """Candidates the proxy allows: `ip:port` entries match exactly, a bare `ip` every port."""
-    allowed = set(subset)
-    return [s for s in candidates if s.address in allowed or s.endpoint.host in allowed]
 
 
 async def admit(gw: Gateway, llm: LLMRequest, size: int) -> float:
@@ -75,8 +70,10 @@ async def pick(gw: Gateway, llm: LLMRequest, subset: Sequence[str] | None) -> Ro
     try:
         decision = gw.scheduler.schedule(llm, candidates, CycleState(now=now, rng=gw.rng))
     except NoCandidates as exc:
+        gw.metrics.scheduled(llm.target_model, None)
         raise NoEndpoints(f"no endpoint fits the request for model `{llm.model}`") from exc
     gw.metrics.decision.observe(time.perf_counter() - t0)
+    gw.metrics.scheduled(llm.target_model, decision.endpoint.address)
     gw.scheduler.pre_request(llm, decision, now)
     targets = tuple(decision.targets[: gw.config.gateway.max_retries + 1])
     return Routed(decision=decision, targets=targets)

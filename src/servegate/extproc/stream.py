@@ -46,7 +46,7 @@ from servegate.gateway.admission import QUEUE_DURATION_HEADER, queue_ms
 from servegate.gateway.app import Gateway
 from servegate.gateway.errors import BodyTooLarge, GatewayError, Unauthorized, error_body
 from servegate.gateway.logging import AccessRecord
-from servegate.gateway.metrics import ObjectiveSeries
+from servegate.gateway.metrics import RequestSeries
 from servegate.gateway.parse import parse_request
 from servegate.gateway.proxy import ROUTING_HEADERS
 from servegate.pool.endpoint import EndpointState
@@ -99,8 +99,9 @@ class ExtProcStream:
         self._tokens = 0
         self._admitted = False
         self._queued_s = 0.0
-        self._series: ObjectiveSeries | None = None
-        self._labels = ("unknown", "unknown")
+        self._series: RequestSeries | None = None
+        self._error_code: str | None = None
+        self._request_bytes = 0
         self._tap: UsageTap | None = None
         self._closed = False
 
@@ -178,9 +179,12 @@ class ExtProcStream:
             resolve_model(gw, llm)
             record.target_model = llm.target_model
             self.llm = llm
-            self._labels = (llm.model, llm.target_model)
-            self._series = gw.metrics.objective(llm.model, llm.target_model)
-            self._series.running.inc()
+            self._request_bytes = len(body)
+            if gw.admission is not None:
+                llm.priority = gw.admission.priority_of(llm.headers)
+            self._series = gw.metrics.start(
+                llm.model, llm.target_model, llm.fairness_id, llm.priority
+            )
             self._queued_s = await admit(gw, llm, len(body))
             self._admitted = True
             routed = await pick(gw, llm, self._subset)
@@ -242,7 +246,10 @@ class ExtProcStream:
         if self.record is not None:
             self.record.status = exc.status
             self.record.error = exc.message
-        self.gw.metrics.request_errors.labels(*self._labels, str(exc.status)).inc()
+        self._error_code = exc.canonical
+        if self._series is None:
+            model = self.record.model if self.record is not None else None
+            self.gw.metrics.error(exc.canonical, model=model or "")
         headers = {"content-type": "application/json", **exc.headers, **exc.extra_headers}
         headers["x-request-id"] = self._rid
         self.finished = True
@@ -291,6 +298,8 @@ class ExtProcStream:
         record = self.record
         if body and record is not None and record.ttft_ms is None:
             record.ttft_ms = (time.monotonic() - self.started) * 1000.0
+        if record is not None:
+            record.response_bytes += len(body)
         if self._tap is not None:
             self._tap.feed(body)
         if chunk.end_of_stream:
@@ -375,14 +384,6 @@ class ExtProcStream:
         metrics = self.gw.metrics
         series = self._series
         if series is not None:
-            series.running.dec()
-            series.requests.inc()
-            series.duration.observe(elapsed)
-            if record.ttft_ms is not None:
-                series.ttft.observe(record.ttft_ms / 1000.0)
-            if record.prompt_tokens is not None:
-                series.input_tokens.observe(record.prompt_tokens)
-            if record.completion_tokens is not None:
-                series.output_tokens.observe(record.completion_tokens)
+            metrics.finish(series, record, elapsed, self._request_bytes, self._error_code)
         metrics.response(record.status).inc()
         self.gw.access_log.write(record)
