@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from servegate.gateway.app import Gateway
 from servegate.gateway.errors import ModelNotFound, NoEndpoints
-from servegate.gateway.headers import within_subset
+from servegate.gateway.headers import model_rewrite_of, within_subset
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.framework import CycleState, Decision, NoCandidates
 from servegate.scheduling.request import LLMRequest
@@ -35,8 +35,14 @@ class Routed:
 
 
 def resolve_model(gw: Gateway, llm: LLMRequest) -> None:
-    entry = gw.pool.resolve_model(llm.model)
+    """The pool's model or adapter; llm-d's model-name-rewrite header names another."""
+    named = model_rewrite_of(llm.headers) or llm.model
+    entry = gw.pool.resolve_model(named)
     if entry is None:
+        if named != llm.model:
+            raise ModelNotFound(
+                f"The model `{llm.model}` is routed to `{named}`, which no pool serves."
+            )
         raise ModelNotFound(f"The model `{llm.model}` does not exist.")
     llm.target_model = entry.id
     llm.base_model = entry.base

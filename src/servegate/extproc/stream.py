@@ -45,9 +45,11 @@ from servegate.extproc.usage import UsageTap
 from servegate.gateway.admission import QUEUE_DURATION_HEADER, queue_ms
 from servegate.gateway.app import Gateway
 from servegate.gateway.errors import BodyTooLarge, GatewayError, Unauthorized, error_body
+from servegate.gateway.headers import SERVED_HEADER
 from servegate.gateway.logging import AccessRecord
 from servegate.gateway.metrics import RequestSeries
-from servegate.gateway.parse import parse_request
+from servegate.gateway.openapi import PASSTHROUGH
+from servegate.gateway.parse import parse_request, with_model
 from servegate.gateway.proxy import ROUTING_HEADERS
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.request import LLMRequest, RequestKind
@@ -57,8 +59,19 @@ INFERENCE_PATHS = {
     "/v1/chat/completions": RequestKind.CHAT,
     "/v1/completions": RequestKind.COMPLETION,
     "/v1/embeddings": RequestKind.EMBEDDING,
+    "/v1/responses": RequestKind.RESPONSES,
+    "/v1/messages": RequestKind.MESSAGES,
+    **{path: RequestKind.OTHER for path in PASSTHROUGH},
 }
-"""Paths whose body is scheduled; any other request goes to any available endpoint."""
+"""Paths whose body is scheduled (as in HTTP mode, so is any other `/v1/…` request with a
+body); a request without a body goes to any available endpoint."""
+
+
+def kind_for(path: str, has_body: bool) -> RequestKind | None:
+    kind = INFERENCE_PATHS.get(path)
+    if kind is None and has_body and path.startswith("/v1/"):
+        return RequestKind.OTHER
+    return kind
 
 
 class Phase(Enum):
@@ -168,7 +181,7 @@ class ExtProcStream:
             raise ProtocolMismatch("the request ended before its headers arrived")
         body = bytes(self._body)
         self._body = bytearray()
-        kind = INFERENCE_PATHS.get(self._path)
+        kind = kind_for(self._path, bool(body))
         if kind is None:
             return self._route_any(body, body_sent, end_of_stream)
         gw = self.gw
@@ -195,8 +208,7 @@ class ExtProcStream:
         self._hold(routed.targets[0])
         record.stream = llm.stream
         if llm.target_model != llm.model:
-            llm.body["model"] = llm.target_model
-            body = orjson.dumps(llm.body)
+            body = with_model(llm, body)
         set_headers = {DESTINATION_KEY: routed.destinations, "x-request-id": self._rid}
         return self._forward(routed.destinations, set_headers, body, body_sent, end_of_stream)
 
@@ -281,6 +293,7 @@ class ExtProcStream:
         out = {"x-request-id": self._rid}
         if self.record is not None and self.record.endpoint:
             out[DESTINATION_KEY] = self.record.endpoint
+            out[SERVED_HEADER] = self.record.endpoint
         if self.routed is None or self.llm is None:
             return out
         out[QUEUE_DURATION_HEADER] = queue_ms(self._queued_s)
