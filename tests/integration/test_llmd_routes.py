@@ -167,9 +167,10 @@ async def test_vllm_routes_outside_v1_pass_through(
     async with session.post(gateway.url + "/v1/rerank", json={"model": "nope"}) as resp:
         assert resp.status == 404
         assert (await resp.json())["error"]["code"] == "model_not_found"
-    async with session.post(gateway.url + "/v1/rerank", json={"query": "q"}) as resp:
-        assert resp.status == 400
-        assert (await resp.json())["error"]["param"] == "model"
+    # vLLM's model field is optional on these routes: without one, any endpoint answers
+    async with session.post(gateway.url + "/tokenize", json={"prompt": "hi"}) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["count"] > 0
     async with session.get(gateway.url + "/v1/nothing") as resp:
         assert resp.status == 404
 

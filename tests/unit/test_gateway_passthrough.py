@@ -57,8 +57,12 @@ def test_passthrough_request_needs_only_a_model() -> None:
     llm = parse_request(raw, RequestKind.RESPONSES, {}, "r")
     assert (llm.model, llm.prompt, llm.max_tokens) == ("m", "hello there", 7)
     with pytest.raises(BadRequest) as info:
-        parse_request(b'{"input": "x"}', RequestKind.OTHER, {}, "r")
+        parse_request(b'{"input": "x"}', RequestKind.RESPONSES, {}, "r")
     assert info.value.param == "model"
+    # vLLM's other routes default the model: no model is "any endpoint", a bad one a 400
+    assert parse_request(b'{"prompt": "x"}', RequestKind.OTHER, {}, "r").model == ""
+    with pytest.raises(BadRequest):
+        parse_request(b'{"model": 3}', RequestKind.OTHER, {}, "r")
 
 
 def test_multipart_model_is_read_and_rewritten_in_place() -> None:
@@ -74,10 +78,9 @@ def test_multipart_model_is_read_and_rewritten_in_place() -> None:
     assert audio in rewritten
 
 
-def test_a_form_without_a_model_is_a_400() -> None:
+def test_a_form_without_a_model_goes_to_any_endpoint_and_without_a_boundary_is_a_400() -> None:
     raw = form([("file", b"xx", "a.wav")])
-    with pytest.raises(BadRequest):
-        parse_request(raw, RequestKind.OTHER, FORM_TYPE, "r")
+    assert parse_request(raw, RequestKind.OTHER, FORM_TYPE, "r").model == ""
     with pytest.raises(BadRequest):
         parse_request(raw, RequestKind.OTHER, {"content-type": "multipart/form-data"}, "r")
 

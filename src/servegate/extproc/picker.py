@@ -37,6 +37,8 @@ class Routed:
 def resolve_model(gw: Gateway, llm: LLMRequest) -> None:
     """The pool's model or adapter; llm-d's model-name-rewrite header names another."""
     named = model_rewrite_of(llm.headers) or llm.model
+    if not named:
+        return  # a passthrough body without a model: any endpoint of the pool
     entry = gw.pool.resolve_model(named)
     if entry is None:
         if named != llm.model:
@@ -62,7 +64,7 @@ async def pick(gw: Gateway, llm: LLMRequest, subset: Sequence[str] | None) -> Ro
     The caller has already waited in `admit` and owns the matching `completed()`.
     """
     now = time.monotonic()
-    candidates = gw.pool.candidates(llm.base_model, now, llm.lora)
+    candidates = gw.pool.candidates(llm.base_model or None, now, llm.lora)
     if subset is not None:
         candidates = within_subset(candidates, subset)
         if not candidates:

@@ -237,6 +237,9 @@ def route_request(gw: Gateway, llm: LLMRequest) -> PoolRuntime:
     """Rewrite the model (aliases, weighted splits, llm-d's model-name-rewrite header), then
     find the pool that serves it. A rule for the requested model wins over the header."""
     runtimes = gw.runtimes
+    if not llm.model:
+        # a passthrough body without a model (vLLM's default): the default pool, any endpoint
+        return runtimes[0]
     routing = gw.routing
     served = routing.fallback is not None and any(
         r.pool.resolve_model(llm.model) is not None for r in runtimes
@@ -298,7 +301,7 @@ async def _inference(
         queued_s = await rt.admission.admit(llm, len(body))
         admitted = True
         now = time.monotonic()
-        candidates = rt.pool.candidates(llm.base_model, now, llm.lora)
+        candidates = rt.pool.candidates(llm.base_model or None, now, llm.lora)
         subset = subset_of(headers)
         if subset is not None:
             candidates = within_subset(candidates, subset)

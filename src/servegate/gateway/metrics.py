@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -34,6 +35,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString as _go_float
 
 from servegate import __version__
 
@@ -98,6 +100,112 @@ class BoundedLabel:
         return value
 
 
+# -- per-request recording without locks ----------------------------------------------
+
+
+def le(bound: float) -> str:
+    """A bucket bound as Prometheus clients write it (`0.005`, `1.0`, `+Inf`)."""
+    text: str = _go_float(bound)  # type: ignore[no-untyped-call]
+    return text
+
+
+class Value:
+    """One counter or gauge child: a float the event loop adds to."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.value -= amount
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+
+class Buckets:
+    """One histogram child: a count per bucket (not cumulative) and the sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class Family(Collector):
+    """A labelled counter, gauge or histogram for the request path, rendered by
+    prometheus_client at scrape.
+
+    prometheus_client's own metrics take a lock per update and scan the buckets
+    linearly; here the event loop is the only writer, so a child is a plain float or
+    a bucket list found by bisection (about a fifth of the cost per observation).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        kind: str,
+        labels: Sequence[str] = (),
+        buckets: Sequence[float] = (),
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.kind = kind
+        self.label_names = tuple(labels)
+        self.bounds = tuple(float(b) for b in buckets)
+        self.children: dict[tuple[str, ...], Value | Buckets] = {}
+        if registry is not None:
+            registry.register(self)
+
+    def _child(self, values: tuple[str, ...]) -> Value | Buckets:
+        if len(values) != len(self.label_names):
+            raise ValueError(f"{self.name}: expected labels {self.label_names}, got {values}")
+        child = self.children.get(values)
+        if child is None:
+            child = Buckets(self.bounds) if self.kind == "histogram" else Value()
+            self.children[values] = child
+        return child
+
+    def labels(self, *values: str) -> Value:
+        child = self._child(values)
+        assert isinstance(child, Value)
+        return child
+
+    def histogram(self, *values: str) -> Buckets:
+        child = self._child(values)
+        assert isinstance(child, Buckets)
+        return child
+
+    def collect(self) -> Iterable[Metric]:
+        out = Metric(self.name, self.documentation, self.kind)
+        names = self.label_names
+        for values, child in self.children.items():
+            labels = dict(zip(names, values, strict=True))
+            if isinstance(child, Value):
+                suffix = "_total" if self.kind == "counter" else ""
+                out.add_sample(self.name + suffix, labels, child.value)
+                continue
+            cumulative = 0
+            for bound, count in zip((*child.bounds, math.inf), child.counts, strict=True):
+                cumulative += count
+                out.add_sample(self.name + "_bucket", {**labels, "le": le(bound)}, cumulative)
+            out.add_sample(self.name + "_count", labels, cumulative)
+            out.add_sample(self.name + "_sum", labels, child.sum)
+        yield out
+
+
 # -- scrape-time views over the recorded series ---------------------------------------
 
 
@@ -114,7 +222,7 @@ class Rollup(Collector):
 
     def __init__(
         self,
-        source: Counter | Gauge | Histogram,
+        source: Collector,
         name: str,
         documentation: str,
         labels: Mapping[str, str],
@@ -289,13 +397,9 @@ class PluginDurationCollector(Collector):
             buckets: list[tuple[str, float]] = []
             for bound, count in zip((*PLUGIN_BUCKETS_S, math.inf), timing.counts, strict=True):
                 cumulative += count
-                buckets.append((_le(bound), float(cumulative)))
+                buckets.append((le(bound), float(cumulative)))
             family.add_metric([point, timing.type, name], buckets, timing.total_ns / 1e9)
         yield family
-
-
-def _le(bound: float) -> str:
-    return "+Inf" if bound == math.inf else repr(float(bound))
 
 
 # -- per-request series ---------------------------------------------------------------
@@ -309,19 +413,18 @@ class RequestSeries:
     target: str
     fairness_id: str
     priority: str
-    requests: Counter
-    duration: Histogram
-    request_size: Histogram
-    response_size: Histogram
-    input_tokens: Histogram
-    output_tokens: Histogram
-    cached_tokens: Histogram
-    ntpot: Histogram
-    streaming_tpot: Histogram
-    ttft_streaming: Histogram
-    ttft_unary: Histogram
-    first_byte: Histogram
-    running: Gauge
+    requests: Value
+    duration: Buckets
+    request_size: Buckets
+    response_size: Buckets
+    input_tokens: Buckets
+    output_tokens: Buckets
+    cached_tokens: Buckets
+    ntpot: Buckets
+    streaming_tpot: Buckets
+    ttft_streaming: Buckets
+    ttft_unary: Buckets
+    running: Value
 
 
 ObjectiveSeries = RequestSeries
@@ -336,15 +439,17 @@ class GatewayMetrics:
 
         def histogram(
             name: str, doc: str, buckets: Sequence[float], extra: Sequence[str] = ()
-        ) -> Histogram:
-            return Histogram(name, doc, [*labels, *extra], buckets=buckets, registry=r)
+        ) -> Family:
+            return Family(name, doc, "histogram", [*labels, *extra], buckets, r)
 
-        self.requests = Counter(
-            "llm_d_epp_request", "Requests received, by model and target model.", labels, registry=r
-        )
-        self.request_errors = Counter(
+        self.requests = Family(
+            "llm_d_epp_request", "Requests received, by model and target model.", "counter",
+            labels, registry=r,
+        )  # fmt: skip
+        self.request_errors = Family(
             "llm_d_epp_request_error",
             "Requests that ended in an error, by llm-d's error code.",
+            "counter",
             [*labels, "error_code"],
             registry=r,
         )
@@ -392,28 +497,25 @@ class GatewayMetrics:
             TTFT_BUCKETS,
             ("streaming",),
         )
-        self.first_byte = Histogram(
-            "servegate_time_to_first_byte_seconds",
-            "From request arrival to the first response byte sent to the client.",
-            ["model_name", "target_model_name"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.running = Gauge(
+        self.running = Family(
             "llm_d_epp_request_running",
             "Requests in flight through the gateway.",
+            "gauge",
             labels,
             registry=r,
         )
-        self.decision = Histogram(
+        self.decision_family = Family(
             "llm_d_epp_scheduler_e2e_duration_seconds",
             "Time to make one scheduling decision.",
+            "histogram",
             buckets=DECISION_BUCKETS,
             registry=r,
         )
-        self.attempts = Counter(
+        self.decision = self.decision_family.histogram()
+        self.attempts = Family(
             "llm_d_epp_scheduler_attempts",
             "Scheduling attempts, by status and the primary endpoint chosen.",
+            "counter",
             ["status", "target_model_name", "endpoint_name", "namespace", "port"],
             registry=r,
         )
@@ -472,8 +574,8 @@ class GatewayMetrics:
         self.bound_fairness = BoundedLabel()
         self._series: dict[tuple[str, str, str, int], RequestSeries] = {}
         self._response_children: dict[int, Counter] = {}
-        self._attempt_children: dict[tuple[str, str], Counter] = {}
-        self._error_children: dict[tuple[str, str, str, str, str], Counter] = {}
+        self._attempt_children: dict[tuple[str, str], Value] = {}
+        self._error_children: dict[tuple[str, str, str, str, str], Value] = {}
 
     def _register_legacy(self) -> None:
         """The Inference Extension's names, summed from the llm-d series at scrape."""
@@ -491,6 +593,15 @@ class GatewayMetrics:
         ):
             doc = f"llm_d_epp_{upstream} summed over fairness_id and priority."
             r.register(Rollup(source, objective + name, doc, model))
+        r.register(
+            Rollup(
+                self.ttft,
+                "servegate_time_to_first_byte_seconds",
+                "From request arrival to the first response byte sent to the client"
+                " (llm_d_epp_request_ttft_seconds summed over streaming, fairness_id, priority).",
+                model,
+            )
+        )
         r.register(
             Rollup(
                 self.requests,
@@ -517,7 +628,7 @@ class GatewayMetrics:
         )
         r.register(
             Rollup(
-                self.decision,
+                self.decision_family,
                 "inference_extension_scheduler_e2e_duration_seconds",
                 "Time to make one scheduling decision.",
                 {},
@@ -576,17 +687,16 @@ class GatewayMetrics:
         return RequestSeries(
             *values,
             requests=self.requests.labels(*values),
-            duration=self.duration.labels(*values),
-            request_size=self.request_size.labels(*values),
-            response_size=self.response_size.labels(*values),
-            input_tokens=self.input_tokens.labels(*values),
-            output_tokens=self.output_tokens.labels(*values),
-            cached_tokens=self.cached_tokens.labels(*values),
-            ntpot=self.ntpot.labels(*values),
-            streaming_tpot=self.streaming_tpot.labels(*values),
-            ttft_streaming=self.ttft.labels(*values, "true"),
-            ttft_unary=self.ttft.labels(*values, "false"),
-            first_byte=self.first_byte.labels(model, target),
+            duration=self.duration.histogram(*values),
+            request_size=self.request_size.histogram(*values),
+            response_size=self.response_size.histogram(*values),
+            input_tokens=self.input_tokens.histogram(*values),
+            output_tokens=self.output_tokens.histogram(*values),
+            cached_tokens=self.cached_tokens.histogram(*values),
+            ntpot=self.ntpot.histogram(*values),
+            streaming_tpot=self.streaming_tpot.histogram(*values),
+            ttft_streaming=self.ttft.histogram(*values, "true"),
+            ttft_unary=self.ttft.histogram(*values, "false"),
             running=self.running.labels(*values),
         )
 
@@ -635,7 +745,6 @@ class GatewayMetrics:
         ttft_ms = record.ttft_ms
         if ttft_ms is not None:
             ttft = ttft_ms / 1000.0
-            series.first_byte.observe(ttft)
             (series.ttft_streaming if record.stream else series.ttft_unary).observe(ttft)
         prompt = record.prompt_tokens
         if prompt:

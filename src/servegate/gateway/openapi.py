@@ -351,7 +351,7 @@ def openapi_document() -> dict[str, Any]:
                 },
                 "ModelRequest": {
                     "type": "object",
-                    "required": ["model"],
+                    "description": "Routed by `model`; without one, to any endpoint of the first pool",
                     "properties": {
                         "model": {"type": "string", "minLength": 1},
                         "stream": {"type": "boolean"},

@@ -136,7 +136,9 @@ def _parsed(
     body: dict[str, Any], kind: RequestKind, headers: Mapping[str, str], request_id: str
 ) -> LLMRequest:
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None and kind is RequestKind.OTHER:
+        model = ""  # vLLM's other routes default to the served model: any endpoint may answer
+    elif not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -224,10 +226,9 @@ def parse_form(raw: bytes, headers: Mapping[str, str], request_id: str) -> LLMRe
     """A multipart request: routed by its `model` field; the audio itself is not read."""
     spans = form_fields(raw, headers.get("content-type", ""))
     span = spans.get("model")
-    model = raw[span[0] : span[1]].decode("utf-8", "replace").strip() if span else ""
-    if not model:
-        raise BadRequest("'model' is required and must be a non-empty string", param="model")
-    body: dict[str, Any] = {"model": model}
+    body: dict[str, Any] = {}
+    if span is not None:
+        body["model"] = raw[span[0] : span[1]].decode("utf-8", "replace").strip()
     stream_span = spans.get("stream")
     if stream_span is not None:
         body["stream"] = raw[stream_span[0] : stream_span[1]].strip().lower() == b"true"
