@@ -147,8 +147,8 @@ class Family(Collector):
     prometheus_client at scrape.
 
     prometheus_client's own metrics take a lock per update and scan the buckets
-    linearly; here the event loop is the only writer, so a child is a plain float or
-    a bucket list found by bisection (about a fifth of the cost per observation).
+    linearly; here the event loop is the only writer (and /metrics is rendered on the
+    same loop), so a child is a plain float or a bucket list found by bisection.
     """
 
     def __init__(
