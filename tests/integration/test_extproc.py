@@ -112,8 +112,9 @@ async def test_non_streaming_request_round_trip(
     assert mutation["x-request-id"] == "r-1"
     registry = picker.gw.metrics.registry
     labels = {"model_name": MODEL, "target_model_name": MODEL}
+    counted = {**labels, "priority": "0"}
     await wait_for(
-        lambda: registry.get_sample_value("inference_objective_request_total", labels) == 1.0,
+        lambda: registry.get_sample_value("inference_objective_request_total", counted) == 1.0,
         what="the request counted",
     )
     assert registry.get_sample_value("inference_objective_output_tokens_sum", labels) == 8.0
@@ -328,3 +329,41 @@ async def test_servegate_extproc_command_serves_health_and_stops_on_sigterm(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_passthrough_paths_are_scheduled_by_model_and_rewritten_by_header(
+    picker: ExtProcServer, channel: grpc.aio.Channel, session: aiohttp.ClientSession
+) -> None:
+    """`/v1/messages`, `/tokenize` and any other `/v1/…` body are routed by their model, as in
+    HTTP mode; llm-d's model-name-rewrite header names a model no pool serves → 404."""
+    registry = picker.gw.metrics.registry
+    anthropic = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    for path, body in (
+        ("/v1/messages", anthropic),
+        ("/tokenize", {"model": MODEL, "prompt": "hello"}),
+        ("/v1/some/new/route", {"model": MODEL}),
+    ):
+        stream = ProxyStream(channel)
+        answer = await stream.request(path, orjson.dumps(body))
+        assert answer.immediate_status is None, answer.immediate_body
+        status, _, parts = await forward(session, answer, path)
+        mutation, _ = await stream.respond(status, parts, served=answer.endpoints[0])
+        await stream.close()
+        assert mutation["x-gateway-destination-endpoint-served"] == answer.endpoints[0]
+    labels = {
+        "model_name": MODEL,
+        "target_model_name": MODEL,
+        "fairness_id": "default-flow",
+        "priority": "0",
+    }
+    await wait_for(
+        lambda: registry.get_sample_value("llm_d_epp_request_total", labels) == 3.0,
+        what="three routed requests",
+    )
+    stream = ProxyStream(channel)
+    answer = await stream.request(
+        "/v1/messages", orjson.dumps(anthropic), headers=[("x-llm-d-model-name-rewrite", "gone")]
+    )
+    await stream.close()
+    assert answer.immediate_status == 404
+    assert b"routed to `gone`" in answer.immediate_body

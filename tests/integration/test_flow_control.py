@@ -11,7 +11,7 @@ import orjson
 from servegate.scheduling.flowcontrol import Outcome
 from servegate.testing.cluster import SimCluster
 from servegate.testing.gateway import GatewayRunner
-from tests.integration.conftest import FAST_SIM, chat, gateway_config, wait_for, wait_ready
+from tests.integration.conftest import FAST_SIM, MODEL, chat, gateway_config, wait_for, wait_ready
 
 SLOW_SIM = {**FAST_SIM, "speed": 1.0}
 OBJECTIVES = [{"name": "critical", "priority": 10}, {"name": "batch", "priority": -1}]
@@ -126,10 +126,12 @@ async def test_priority_goes_first_and_disconnect_leaves_the_queue(
             text = await resp.text()
     assert 'outcome="EvictedContextCancelled",priority="0"' in text
     assert "inference_extension_flow_control_pool_saturation" in text
-    assert (
-        'inference_extension_flow_control_queue_size{inference_pool="default",priority="10"} 0.0'
-        in text
+    queued = (
+        'fairness_id="default-flow",inference_pool="default",'
+        f'model_name="{MODEL}",priority="10",target_model_name="{MODEL}"'
     )
+    assert f"inference_extension_flow_control_queue_size{{{queued}}} 0.0" in text
+    assert f"llm_d_epp_flow_control_queue_size{{{queued}}} 0.0" in text
 
 
 async def test_llm_d_picker_sections_enable_flow_control(session: aiohttp.ClientSession) -> None:

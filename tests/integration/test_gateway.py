@@ -269,10 +269,14 @@ async def test_metrics_show_requests(
     async with session.post(gateway.url + "/v1/chat/completions", json=chat(model="nope")) as resp:
         await resp.read()
     text = await (await session.get(gateway.url + "/metrics")).text()
+    objective = f'model_name="{MODEL}",priority="0",target_model_name="{MODEL}"'
+    assert f"inference_objective_request_total{{{objective}}} 3.0" in text
+    assert f'llm_d_epp_request_total{{fairness_id="default-flow",{objective}}} 3.0' in text
+    # the unknown model is counted by llm-d's code, its target unresolved
     assert (
-        f'inference_objective_request_total{{model_name="{MODEL}",target_model_name="{MODEL}"}} 3.0'
-        in text
-    )
+        'inference_objective_request_error_total{error_code="NotFound",model_name="nope",'
+        'target_model_name=""} 1.0'
+    ) in text
     assert 'servegate_http_responses_total{code="404"} 1.0' in text
     assert "inference_extension_scheduler_e2e_duration_seconds_count 3.0" in text
     assert "inference_pool_per_pod_queue_size" in text

@@ -28,7 +28,7 @@ async def gw2(cluster: SimCluster) -> GatewayRunner:  # type: ignore[misc]
     "header",
     [
         "x-gateway-destination-endpoint",
-        "x-gateway-destination-endpoint-subset",
+        "x-gateway-destination-endpoint-served",
         "x-prefiller-host-port",
     ],
 )
@@ -41,6 +41,23 @@ async def test_clients_cannot_choose_an_address(
     ) as resp:
         assert resp.status == 200
         assert resp.headers["x-gateway-destination-endpoint"] in cluster.addresses
+    assert all(line["endpoint"] != outside for line in gw2.access_lines())
+
+
+async def test_a_subset_naming_no_pool_member_is_503_and_never_forwarded(
+    gw2: GatewayRunner, session: aiohttp.ClientSession
+) -> None:
+    """The Endpoint Picker Protocol's subset semantics: non-members are ignored, and
+    when nothing is left the answer is 503; the address is never tried."""
+    outside = "127.0.0.1:1"
+    async with session.post(
+        gw2.url + "/v1/chat/completions",
+        json=chat(),
+        headers={"x-gateway-destination-endpoint-subset": outside},
+    ) as resp:
+        assert resp.status == 503
+        assert resp.headers["x-llm-d-request-dropped-reason"] == "rejected-no-endpoints"
+        assert (await resp.json())["error"]["code"] == "rejected-no-endpoints"
     assert all(line["endpoint"] != outside for line in gw2.access_lines())
 
 

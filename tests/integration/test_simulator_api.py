@@ -288,3 +288,37 @@ async def test_admin_state_and_loop_lag(sim: SimHandle, http: aiohttp.ClientSess
     async with http.post(sim.url + "/admin/loop_lag") as resp:
         lag = await resp.json()
     assert lag["rss_bytes"] > 0 and "median_ms" in lag
+
+
+async def test_anthropic_messages_errors_and_stop_sequences(
+    sim: SimHandle, http: aiohttp.ClientSession
+) -> None:
+    """`/v1/messages` answers errors in Anthropic's shape and ends on a stop sequence."""
+    turn = [{"role": "user", "content": "the model and the cache"}]
+    cases: list[tuple[dict[str, Any], dict[str, str], int, str]] = [
+        ({"model": "tiny", "messages": turn}, {}, 400, "invalid_request_error"),
+        ({"model": "nope", "max_tokens": 2, "messages": turn}, {}, 404, "not_found_error"),
+        ({"model": "tiny", "max_tokens": 2, "messages": []}, {}, 400, "invalid_request_error"),
+        (
+            {"model": "tiny", "max_tokens": 2, "messages": turn},
+            {"X-Return-Error": "503"},
+            503,
+            "overloaded_error",
+        ),
+    ]
+    for body, headers, status, kind in cases:
+        async with http.post(sim.url + "/v1/messages", json=body, headers=headers) as resp:
+            assert resp.status == status, body
+            data = await resp.json()
+            assert data["type"] == "error" and data["error"]["type"] == kind
+    body = {"model": "tiny", "max_tokens": 64, "messages": turn}
+    async with http.post(sim.url + "/v1/messages", json=body) as resp:
+        full = (await resp.json())["content"][0]["text"]
+    words = full.split()
+    assert len(words) > 2
+    body["stop_sequences"] = [words[2]]
+    async with http.post(sim.url + "/v1/messages", json=body) as resp:
+        data = await resp.json()
+    assert (data["stop_reason"], data["stop_sequence"]) == ("stop_sequence", words[2])
+    assert words[2] not in data["content"][0]["text"]
+    assert data["usage"]["input_tokens"] > 0

@@ -65,7 +65,26 @@ async def test_drops_become_errors_with_headers(objective: str, status: int, rea
     assert (err.status, err.headers[DROPPED_REASON_HEADER]) == (status, reason)
     assert QUEUE_DURATION_HEADER in err.extra_headers
     text = generate_latest(registry).decode()
-    assert "inference_extension_flow_control_request_queue_duration_seconds_count" in text
+    assert "llm_d_epp_flow_control_request_queue_duration_seconds_count" in text
+    outcome = "RejectedSaturated" if objective == "batch" else "EvictedTTL"
+    assert (
+        f'llm_d_epp_flow_control_requests_total{{inference_pool="default",outcome="{outcome}"'
+        in text
+    )
+
+
+async def test_shutdown_turns_requests_away_as_shutting_down() -> None:
+    """Draining: a queued request and a new one both get 503 `rejected-shutting-down`."""
+    _, admission, _ = setup(1)
+    queued = asyncio.create_task(admission.admit(request({}), 10))
+    await asyncio.sleep(0)
+    assert admission.close() == 1
+    for attempt in (queued, asyncio.create_task(admission.admit(request({}), 10))):
+        with pytest.raises(GatewayError) as info:
+            await attempt
+        assert info.value.status == 503
+        assert info.value.headers[DROPPED_REASON_HEADER] == "rejected-shutting-down"
+        assert info.value.canonical == "ServiceUnavailable"
 
 
 async def test_dispatch_on_completion_and_metrics() -> None:
@@ -73,11 +92,19 @@ async def test_dispatch_on_completion_and_metrics() -> None:
     task = asyncio.create_task(admission.admit(request({}), 10))
     await asyncio.sleep(0)
     text = generate_latest(registry).decode()
+    held = (
+        'fairness_id="t",inference_pool="default",model_name="m",priority="0",target_model_name="m"'
+    )
+    assert f"llm_d_epp_flow_control_queue_size{{{held}}} 1.0" in text
+    assert f"llm_d_epp_flow_control_queue_bytes{{{held}}} 10.0" in text
     assert (
-        'inference_extension_flow_control_queue_size{inference_pool="default",priority="0"} 1.0'
+        'llm_d_epp_flow_control_pool_saturation{inference_pool="default",stage="effective"} 1.0'
         in text
     )
-    assert 'inference_extension_flow_control_pool_saturation{inference_pool="default"} 1.0' in text
+    enqueued = 'fairness_id="t",outcome="NotYetFinalized",priority="0"'
+    assert (
+        f"llm_d_epp_flow_control_request_enqueue_duration_seconds_count{{{enqueued}}} 1.0" in text
+    )
     state = pool.get("a:1")
     assert state is not None
     state.in_flight_requests = 0
@@ -85,6 +112,31 @@ async def test_dispatch_on_completion_and_metrics() -> None:
     assert await task >= 0.0
     text = generate_latest(registry).decode()
     assert 'outcome="Dispatched",priority="0"' in text
+    assert f"llm_d_epp_flow_control_queue_size{{{held}}} 0.0" in text
+    # the wake-up ran a dispatch cycle that released the request
+    cycles = registry.get_sample_value(
+        "llm_d_epp_flow_control_dispatch_cycle_duration_seconds_count"
+    )
+    assert cycles is not None and cycles >= 1.0
+
+
+async def test_unqueued_request_is_timed_as_dispatched() -> None:
+    _, admission, registry = setup(0)
+    assert await admission.admit(request({}), 10) == 0.0
+    labels = {"fairness_id": "t", "outcome": "Dispatched", "priority": "0"}
+    name = "llm_d_epp_flow_control_request_enqueue_duration_seconds_count"
+    assert registry.get_sample_value(name, labels) == 1.0
+
+
+async def test_fairness_label_values_are_bounded() -> None:
+    _, admission, registry = setup(0)
+    admission.bound_fairness = type(admission.bound_fairness)(limit=2)
+    for flow in ("a", "b", "c", "d"):
+        req = LLMRequest("r", RequestKind.CHAT, "m", "m", "m", fairness_id=flow)
+        await admission.admit(req, 1)
+    text = generate_latest(registry).decode()
+    assert 'fairness_id="b"' in text and 'fairness_id="other"' in text
+    assert 'fairness_id="c"' not in text and 'fairness_id="d"' not in text
 
 
 async def test_scrape_wakes_the_queue() -> None:

@@ -332,11 +332,23 @@ async def test_other_paths_go_to_any_endpoint_with_the_body_unchanged() -> None:
     gw = make_gateway()
     stream = ExtProcStream(gw)
     body = b'{"prompt": "tokenize me"}'
-    messages = [proxy.request_headers(headers("/tokenize")), proxy.request_body(body, True)]
+    messages = [proxy.request_headers(headers("/custom")), proxy.request_body(body, True)]
     answer = decode_request_answer(await feed(stream, messages))
     assert answer.kinds == ["request_headers", "request_body"]
     assert answer.destination in ADDRESSES
     assert (answer.body, answer.set_headers["content-length"]) == (body, str(len(body)))
+
+
+async def test_vllm_routes_without_a_model_are_scheduled_over_the_whole_pool() -> None:
+    """`/tokenize` without `model` (vLLM defaults it): scheduled, primary and fallbacks."""
+    gw = make_gateway()
+    stream = ExtProcStream(gw)
+    body = b'{"prompt": "tokenize me"}'
+    messages = [proxy.request_headers(headers("/tokenize")), proxy.request_body(body, True)]
+    answer = decode_request_answer(await feed(stream, messages))
+    assert answer.kinds == ["request_headers", "request_body"]
+    assert set(answer.destination.split(",")) <= set(ADDRESSES)
+    assert answer.body == body
 
 
 @pytest.mark.parametrize(

@@ -171,7 +171,7 @@ def test_filters_removing_everything_raise_no_candidates() -> None:
     with pytest.raises(NoCandidates, match="default"):
         scheduler.schedule(REQUEST, pool(3), cycle())
     assert scheduler.stats.no_candidates == 1
-    assert scheduler.stats.plugins["queue-scorer"].calls == 0
+    assert scheduler.stats.plugins[("Scorer", "queue-scorer")].calls == 0
 
 
 def test_filters_run_in_order_before_scoring() -> None:
@@ -205,11 +205,15 @@ def test_stats_count_calls_and_time_per_plugin() -> None:
         scheduler.schedule(REQUEST, pool(4), cycle(seed))
     stats = scheduler.stats
     assert stats.cycles == 3
-    assert stats.plugins["queue-scorer"].calls == 3
-    assert stats.plugins["max-score-picker"].calls == 3
-    assert stats.plugins["single-profile-handler"].calls == 9  # pick, pick again, process
+    assert stats.plugins[("Scorer", "queue-scorer")].calls == 3
+    assert stats.plugins[("Picker", "max-score-picker")].calls == 3
+    assert stats.plugins[("ProfilePicker", "single-profile-handler")].calls == 6  # pick, again
+    assert stats.plugins[("ProcessProfilesResults", "single-profile-handler")].calls == 3
     assert all(t.total_ns >= 0 for t in stats.plugins.values())
-    assert stats.plugins["queue-scorer"].total_ns > 0
+    scorer = stats.plugins[("Scorer", "queue-scorer")]
+    assert scorer.total_ns > 0 and scorer.type == "queue-scorer"
+    # every call lands in exactly one duration bucket
+    assert all(sum(t.counts) == t.calls for t in stats.plugins.values())
 
 
 def test_hooks_reach_every_plugin_that_implements_them() -> None:
@@ -221,7 +225,9 @@ def test_hooks_reach_every_plugin_that_implements_them() -> None:
     scheduler.pre_request(REQUEST, decision, 51.0)
     scheduler.response_complete(REQUEST, decision.endpoint, 52.0)
     assert recorder.calls == [("pre", eps[0].address, 51.0), ("done", eps[0].address, 52.0)]
-    assert scheduler.stats.hooks["recorder"].calls == 2
+    hooks = scheduler.stats.hooks
+    assert hooks[("PreRequest", "recorder")].calls == 1
+    assert hooks[("ResponseComplete", "recorder")].calls == 1
 
 
 def test_result_views_behave_like_read_only_mappings() -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from servegate.gateway.app import Gateway
 from servegate.gateway.errors import ModelNotFound, NoEndpoints
+from servegate.gateway.headers import model_rewrite_of, within_subset
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.framework import CycleState, Decision, NoCandidates
 from servegate.scheduling.request import LLMRequest
@@ -34,18 +35,20 @@ class Routed:
 
 
 def resolve_model(gw: Gateway, llm: LLMRequest) -> None:
-    entry = gw.pool.resolve_model(llm.model)
+    """The pool's model or adapter; llm-d's model-name-rewrite header names another."""
+    named = model_rewrite_of(llm.headers) or llm.model
+    if not named:
+        return  # a passthrough body without a model: any endpoint of the pool
+    entry = gw.pool.resolve_model(named)
     if entry is None:
+        if named != llm.model:
+            raise ModelNotFound(
+                f"The model `{llm.model}` is routed to `{named}`, which no pool serves."
+            )
         raise ModelNotFound(f"The model `{llm.model}` does not exist.")
     llm.target_model = entry.id
     llm.base_model = entry.base
     llm.lora = entry.id if entry.parent else None
-
-
-def within_subset(candidates: list[EndpointState], subset: Sequence[str]) -> list[EndpointState]:
-    """Candidates the proxy allows: `ip:port` entries match exactly, a bare `ip` every port."""
-    allowed = set(subset)
-    return [s for s in candidates if s.address in allowed or s.endpoint.host in allowed]
 
 
 async def admit(gw: Gateway, llm: LLMRequest, size: int, max_priority: int | None = None) -> float:
@@ -61,7 +64,7 @@ async def pick(gw: Gateway, llm: LLMRequest, subset: Sequence[str] | None) -> Ro
     The caller has already waited in `admit` and owns the matching `completed()`.
     """
     now = time.monotonic()
-    candidates = gw.pool.candidates(llm.base_model, now, llm.lora)
+    candidates = gw.pool.candidates(llm.base_model or None, now, llm.lora)
     if subset is not None:
         candidates = within_subset(candidates, subset)
         if not candidates:
@@ -75,9 +78,11 @@ async def pick(gw: Gateway, llm: LLMRequest, subset: Sequence[str] | None) -> Ro
     try:
         decision = gw.scheduler.schedule(llm, candidates, CycleState(now=now, rng=gw.rng))
     except NoCandidates as exc:
+        gw.metrics.scheduled(llm.target_model, None)
         raise NoEndpoints(f"no endpoint fits the request for model `{llm.model}`") from exc
     gw.metrics.decision.observe(time.perf_counter() - t0)
     gw.metrics.observe_pick(gw.pool.name, decision)
+    gw.metrics.scheduled(llm.target_model, decision.endpoint.address)
     gw.scheduler.pre_request(llm, decision, now)
     targets = tuple(decision.targets[: gw.config.gateway.max_retries + 1])
     return Routed(decision=decision, targets=targets)

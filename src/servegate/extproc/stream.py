@@ -43,10 +43,12 @@ from servegate.extproc.protocol import (
 from servegate.extproc.usage import UsageTap
 from servegate.gateway.admission import QUEUE_DURATION_HEADER, queue_ms
 from servegate.gateway.app import Gateway
-from servegate.gateway.errors import BodyTooLarge, GatewayError, error_body
+from servegate.gateway.errors import BodyTooLarge, GatewayError, Unauthorized, error_body
+from servegate.gateway.headers import SERVED_HEADER
 from servegate.gateway.logging import AccessRecord
-from servegate.gateway.metrics import ObjectiveSeries
-from servegate.gateway.parse import parse_request, strip_gateway_fields
+from servegate.gateway.metrics import RequestSeries
+from servegate.gateway.openapi import PASSTHROUGH
+from servegate.gateway.parse import parse_request, strip_gateway_fields, with_model
 from servegate.gateway.proxy import ROUTING_HEADERS
 from servegate.gateway.tenants import Tenant
 from servegate.pool.endpoint import EndpointState
@@ -57,8 +59,19 @@ INFERENCE_PATHS = {
     "/v1/chat/completions": RequestKind.CHAT,
     "/v1/completions": RequestKind.COMPLETION,
     "/v1/embeddings": RequestKind.EMBEDDING,
+    "/v1/responses": RequestKind.RESPONSES,
+    "/v1/messages": RequestKind.MESSAGES,
+    **{path: RequestKind.OTHER for path in PASSTHROUGH},
 }
-"""Paths whose body is scheduled; any other request goes to any available endpoint."""
+"""Paths whose body is scheduled (as in HTTP mode, so is any other `/v1/…` request with a
+body); a request without a body goes to any available endpoint."""
+
+
+def kind_for(path: str, has_body: bool) -> RequestKind | None:
+    kind = INFERENCE_PATHS.get(path)
+    if kind is None and has_body and path.startswith("/v1/"):
+        return RequestKind.OTHER
+    return kind
 
 
 class Phase(Enum):
@@ -99,8 +112,9 @@ class ExtProcStream:
         self._tokens = 0
         self._admitted = False
         self._queued_s = 0.0
-        self._series: ObjectiveSeries | None = None
-        self._labels = ("unknown", "unknown")
+        self._series: RequestSeries | None = None
+        self._error_code: str | None = None
+        self._request_bytes = 0
         self._tap: UsageTap | None = None
         self._closed = False
 
@@ -167,7 +181,7 @@ class ExtProcStream:
             raise ProtocolMismatch("the request ended before its headers arrived")
         body = bytes(self._body)
         self._body = bytearray()
-        kind = INFERENCE_PATHS.get(self._path)
+        kind = kind_for(self._path, bool(body))
         if kind is None:
             return self._route_any(body, body_sent, end_of_stream)
         gw = self.gw
@@ -184,12 +198,16 @@ class ExtProcStream:
             resolve_model(gw, llm)
             record.target_model = llm.target_model
             self.llm = llm
-            self._labels = (llm.model, llm.target_model)
-            self._series = gw.metrics.objective(llm.model, llm.target_model)
-            self._series.running.inc()
-            self._queued_s = await admit(
-                gw, llm, len(body), tenant.max_priority if tenant is not None else None
+            self._request_bytes = len(body)
+            max_priority = tenant.max_priority if tenant is not None else None
+            if gw.admission is not None:
+                llm.priority = gw.admission.priority_of(llm.headers)
+                if max_priority is not None and llm.priority > max_priority:
+                    llm.priority = max_priority
+            self._series = gw.metrics.start(
+                llm.model, llm.target_model, llm.fairness_id, llm.priority
             )
+            self._queued_s = await admit(gw, llm, len(body), max_priority)
             self._admitted = True
             routed = await pick(gw, llm, self._subset)
         except GatewayError as exc:
@@ -199,8 +217,7 @@ class ExtProcStream:
         self._hold(routed.targets[0])
         record.stream = llm.stream
         if llm.target_model != llm.model:
-            llm.body["model"] = llm.target_model
-            body = orjson.dumps(llm.body)
+            body = with_model(llm, body)
         set_headers = {DESTINATION_KEY: routed.destinations, "x-request-id": self._rid}
         return self._forward(routed.destinations, set_headers, body, body_sent, end_of_stream)
 
@@ -241,7 +258,10 @@ class ExtProcStream:
         if self.record is not None:
             self.record.status = exc.status
             self.record.error = exc.message
-        self.gw.metrics.request_errors.labels(*self._labels, str(exc.status)).inc()
+        self._error_code = exc.canonical
+        if self._series is None:
+            model = self.record.model if self.record is not None else None
+            self.gw.metrics.error(exc.canonical, model=model or "")
         headers = {"content-type": "application/json", **exc.headers, **exc.extra_headers}
         headers["x-request-id"] = self._rid
         self.finished = True
@@ -273,6 +293,7 @@ class ExtProcStream:
         out = {"x-request-id": self._rid}
         if self.record is not None and self.record.endpoint:
             out[DESTINATION_KEY] = self.record.endpoint
+            out[SERVED_HEADER] = self.record.endpoint
         if self.routed is None or self.llm is None:
             return out
         out[QUEUE_DURATION_HEADER] = queue_ms(self._queued_s)
@@ -290,6 +311,8 @@ class ExtProcStream:
         record = self.record
         if body and record is not None and record.ttft_ms is None:
             record.ttft_ms = (time.monotonic() - self.started) * 1000.0
+        if record is not None:
+            record.response_bytes += len(body)
         if self._tap is not None:
             self._tap.feed(body)
         if chunk.end_of_stream:
@@ -374,14 +397,6 @@ class ExtProcStream:
         metrics = self.gw.metrics
         series = self._series
         if series is not None:
-            series.running.dec()
-            series.requests.inc()
-            series.duration.observe(elapsed)
-            if record.ttft_ms is not None:
-                series.ttft.observe(record.ttft_ms / 1000.0)
-            if record.prompt_tokens is not None:
-                series.input_tokens.observe(record.prompt_tokens)
-            if record.completion_tokens is not None:
-                series.output_tokens.observe(record.completion_tokens)
+            metrics.finish(series, record, elapsed, self._request_bytes, self._error_code)
         metrics.response(record.status).inc()
         self.gw.access_log.write(record)

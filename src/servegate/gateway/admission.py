@@ -6,8 +6,13 @@ objectives; an unnamed or unknown objective is priority 0. The flow is the
 fairness id (`x-llm-d-inference-fairness-id` / `x-gateway-inference-fairness-id`),
 `default-flow` when absent. A client that disconnects while queued cancels its
 handler; the request leaves the queue and is counted as
-`EvictedContextCancelled`. Metric labels carry priority and outcome, never the
-client-chosen fairness id, so a client cannot grow the label set.
+`EvictedContextCancelled`.
+
+Metrics carry llm-d's labels (`fairness_id`, `priority`, `outcome`, `model_name`,
+`target_model_name`; the runtime collector adds `inference_pool`). The fairness
+id is client-chosen, so it is bounded as llm-d bounds it: after 1000 distinct
+values, new ones are counted as `other`. Queue size and bytes are counted per
+request while it is inside flow control, and read when /metrics is scraped.
 """
 
 from __future__ import annotations
@@ -19,10 +24,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from servegate.gateway.errors import GatewayError, NoEndpoints, Saturated, TtlExpired
+from servegate.gateway.errors import (
+    GatewayError,
+    NoEndpoints,
+    Saturated,
+    ShuttingDown,
+    TtlExpired,
+)
+from servegate.gateway.metrics import BoundedLabel
 from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
 from servegate.scheduling.admitters import Admitter
@@ -39,12 +51,14 @@ from servegate.scheduling.flowcontrol import (
     queues_from_settings,
     resolve_detector,
 )
+from servegate.scheduling.flowcontrol.queues import DEFAULT_FLOW
 from servegate.scheduling.framework import Plugin
 from servegate.scheduling.registry import PluginContext
 from servegate.scheduling.request import LLMRequest
 
 QUEUE_DURATION_HEADER = "x-llm-d-flow-queue-duration-ms"
 MAX_FLOW_ID = 256
+FAST_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 QUEUE_BUCKETS = (
     0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
     30.0, 60.0, 120.0, 300.0,
@@ -64,28 +78,38 @@ class _FlowCollector(Collector):
         self._admission = admission
 
     def collect(self) -> Iterable[Metric]:
-        controller = self._admission.controller
-        pool_name = self._admission.pool.name
+        admission = self._admission
+        controller = admission.controller
+        pool_name = admission.pool.name
+        labels = ["fairness_id", "priority", "inference_pool", "model_name", "target_model_name"]
         size = GaugeMetricFamily(
-            "inference_extension_flow_control_queue_size",
-            "Requests waiting in flow control, by priority band.",
-            labels=["inference_pool", "priority"],
+            "llm_d_epp_flow_control_queue_size",
+            "Requests held in flow control.",
+            labels=labels,
         )
-        for priority, queued in sorted(controller.queued_by_priority().items()):
-            size.add_metric([pool_name, str(priority)], queued)
         size_bytes = GaugeMetricFamily(
-            "inference_extension_flow_control_queue_bytes",
-            "Bytes of request bodies waiting in flow control.",
-            labels=["inference_pool"],
+            "llm_d_epp_flow_control_queue_bytes",
+            "Bytes of request bodies held in flow control.",
+            labels=labels,
         )
-        size_bytes.add_metric([pool_name], controller.queues.bytes)
+        for (flow, priority, model, target), (count, held) in sorted(admission.held.items()):
+            values = [flow, str(priority), pool_name, model, target]
+            size.add_metric(values, count)
+            size_bytes.add_metric(values, held)
         saturation = GaugeMetricFamily(
-            "inference_extension_flow_control_pool_saturation",
+            "llm_d_epp_flow_control_pool_saturation",
             "Pool saturation from the saturation detector; 1.0 and above holds requests back.",
-            labels=["inference_pool"],
+            labels=["inference_pool", "stage"],
         )
-        saturation.add_metric([pool_name], controller.saturation())
-        yield from (size, size_bytes, saturation)
+        saturation.add_metric([pool_name, "effective"], controller.saturation())
+        outcomes = CounterMetricFamily(
+            "llm_d_epp_flow_control_requests",
+            "Requests that left flow control, by outcome and priority.",
+            labels=["outcome", "priority", "inference_pool"],
+        )
+        for (priority, outcome), count in sorted(controller.stats.outcomes.items()):
+            outcomes.add_metric([outcome.value, str(priority), pool_name], count)
+        yield from (size, size_bytes, saturation, outcomes)
 
 
 class GatewayAdmission:
@@ -107,21 +131,51 @@ class GatewayAdmission:
         """llm-d admitter plugins (`probabilistic-admitter`), asked before flow control."""
         self._rng = rng or random.Random()
         self.queue_duration = Histogram(
-            "inference_extension_flow_control_request_queue_duration_seconds",
+            "llm_d_epp_flow_control_request_queue_duration_seconds",
             "Time requests spend in flow control, from arrival to their outcome.",
-            ["priority", "outcome"],
+            ["fairness_id", "priority", "outcome", "model_name", "target_model_name"],
             buckets=QUEUE_BUCKETS,
             registry=registry,
         )
-        self._children: dict[tuple[int, Outcome], Histogram] = {}
+        self.enqueue_duration = Histogram(
+            "llm_d_epp_flow_control_request_enqueue_duration_seconds",
+            "Time to enqueue a request into flow control (or to dispatch it at once).",
+            ["fairness_id", "priority", "outcome"],
+            buckets=FAST_BUCKETS,
+            registry=registry,
+        )
+        self.dispatch_cycle = Histogram(
+            "llm_d_epp_flow_control_dispatch_cycle_duration_seconds",
+            "Time of one dispatch cycle over the queues.",
+            buckets=FAST_BUCKETS,
+            registry=registry,
+        )
+        self.bound_fairness = BoundedLabel()
+        self.held: dict[tuple[str, int, str, str], list[int]] = {}
+        """(fairness id, priority, model, target) → [requests, bytes] inside flow control."""
+        self._children: dict[tuple[str, int, Outcome, str, str], Histogram] = {}
+        self._enqueue_children: dict[tuple[int, str, str], Histogram] = {}
+        controller.on_enqueue = self._observe_enqueue
+        controller.on_dispatch = self.dispatch_cycle.observe
         if registry is not None:
             registry.register(_FlowCollector(self))
 
-    def _observe(self, priority: int, outcome: Outcome, seconds: float) -> None:
-        key = (priority, outcome)
+    def _observe(self, request: LLMRequest, flow: str, outcome: Outcome, seconds: float) -> None:
+        key = (flow, request.priority, outcome, request.model, request.target_model)
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = self.queue_duration.labels(str(priority), outcome.value)
+            child = self._children[key] = self.queue_duration.labels(
+                flow, str(request.priority), outcome.value, request.model, request.target_model
+            )
+        child.observe(seconds)
+
+    def _observe_enqueue(self, priority: int, flow: str, outcome: str, seconds: float) -> None:
+        label = self.bound_fairness(flow)
+        key = (priority, label, outcome)
+        child = self._enqueue_children.get(key)
+        if child is None:
+            child = self.enqueue_duration.labels(label, str(priority), outcome)
+            self._enqueue_children[key] = child
         child.observe(seconds)
 
     def priority_of(self, headers: Mapping[str, str]) -> int:
@@ -136,7 +190,14 @@ class GatewayAdmission:
             priority = max_priority
         request.priority = priority
         flow = request.fairness_id[:MAX_FLOW_ID]
+        label = self.bound_fairness(flow or DEFAULT_FLOW)
         tokens = request.prompt_tokens + (request.max_tokens or 0)
+        key = (label, priority, request.model, request.target_model)
+        held = self.held.get(key)
+        if held is None:
+            held = self.held[key] = [0, 0]
+        held[0] += 1
+        held[1] += size
         started = time.monotonic()
         if self.admitters:
             now = started
@@ -151,12 +212,17 @@ class GatewayAdmission:
             admission = await self.controller.admit(priority, flow, size, tokens)
         except Rejected as rejected:
             waited = time.monotonic() - started
-            self._observe(priority, rejected.outcome, waited)
+            self._observe(request, label, rejected.outcome, waited)
             raise _as_error(rejected, waited) from rejected
         except asyncio.CancelledError:
-            self._observe(priority, Outcome.EVICTED_CONTEXT_CANCELLED, time.monotonic() - started)
+            self._observe(
+                request, label, Outcome.EVICTED_CONTEXT_CANCELLED, time.monotonic() - started
+            )
             raise
-        self._observe(priority, Outcome.DISPATCHED, admission.waited_s)
+        finally:
+            held[0] -= 1
+            held[1] -= size
+        self._observe(request, label, Outcome.DISPATCHED, admission.waited_s)
         return admission.waited_s
 
     def completed(self) -> None:
@@ -172,6 +238,8 @@ def _as_error(rejected: Rejected, waited: float) -> GatewayError:
     error: GatewayError
     if outcome is Outcome.EVICTED_TTL:
         error = TtlExpired(rejected.message)
+    elif outcome is Outcome.EVICTED_SHUTDOWN:
+        error = ShuttingDown(rejected.message)
     elif outcome in (Outcome.REJECTED_CAPACITY, Outcome.REJECTED_SATURATED):
         error = Saturated(rejected.message)
     else:

@@ -13,7 +13,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -51,11 +51,17 @@ from servegate.gateway.errors import (
     for_status,
     render,
 )
+from servegate.gateway.headers import (
+    SUBSET_HEADER,
+    model_rewrite_of,
+    subset_of,
+    within_subset,
+)
 from servegate.gateway.logging import AccessLog, AccessRecord
 from servegate.gateway.metrics import GatewayMetrics
-from servegate.gateway.model_routing import RoutingTable
-from servegate.gateway.openapi import serve_openapi
-from servegate.gateway.parse import parse_request, strip_gateway_fields
+from servegate.gateway.model_routing import Routed, RoutingTable
+from servegate.gateway.openapi import PASSTHROUGH, serve_openapi
+from servegate.gateway.parse import parse_request, strip_gateway_fields, with_model
 from servegate.gateway.pools import (
     PoolRuntime,
     RuntimeCollector,
@@ -75,6 +81,8 @@ from servegate.scheduling.scheduler import Scheduler, result_as_dict
 
 if TYPE_CHECKING:
     from servegate.gateway.reload import ConfigReloader
+
+Parser = Callable[[bytes, RequestKind, Mapping[str, str], str], LLMRequest]
 
 log = logging.getLogger("servegate.gateway")
 
@@ -243,13 +251,23 @@ async def _read_body(gw: Gateway, request: web.Request) -> bytes:
 
 
 def route_request(gw: Gateway, llm: LLMRequest) -> PoolRuntime:
-    """Rewrite the model (aliases, weighted splits), then find the pool that serves it."""
+    """Rewrite the model (aliases, weighted splits, llm-d's model-name-rewrite header), then
+    find the pool that serves it. A rule for the requested model wins over the header."""
     runtimes = gw.runtimes
+    if not llm.model:
+        # a passthrough body without a model (vLLM's default): the default pool, any endpoint
+        return runtimes[0]
     routing = gw.routing
     served = routing.fallback is not None and any(
         r.pool.resolve_model(llm.model) is not None for r in runtimes
     )
     routed = routing.route(llm.model, llm.headers, gw.rng, served)
+    if routed.rewritten:
+        gw.metrics.rewritten(routed.rule, llm.model, routed.model)
+    else:
+        named = model_rewrite_of(llm.headers)
+        if named is not None and named != llm.model:
+            routed = Routed(named, None, True)
     for runtime in runtimes:
         if routed.pool is not None and runtime.name != routed.pool:
             continue
@@ -267,22 +285,32 @@ def route_request(gw: Gateway, llm: LLMRequest) -> PoolRuntime:
     raise ModelNotFound(f"The model `{clip(llm.model)}` does not exist.")
 
 
-async def _inference(request: web.Request, kind: RequestKind) -> web.StreamResponse:
+DISAGG_KINDS = frozenset({RequestKind.CHAT, RequestKind.COMPLETION})
+"""Kinds the gateway-orchestrated P/D path knows how to split; others go to the decode
+target as they are."""
+
+
+async def _inference(
+    request: web.Request, kind: RequestKind, parse: Parser = parse_request
+) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     started = time.monotonic()
     rid = _request_id(request)
     record = AccessRecord(request_id=rid, method=request.method, path=request.path)
     response: web.StreamResponse | None = None
-    model_labels = ("unknown", "unknown")
     series = None
+    error_code: str | None = None
     admitted = False
+    request_bytes = 0
     rt: PoolRuntime | None = None
     tenant: Tenant | None = None
     estimated = 0
     try:
         tenant = _authorise(gw, request)
         body = await _read_body(gw, request)
-        llm = parse_request(body, kind, _lower_headers(request), rid)
+        request_bytes = len(body)
+        headers = _lower_headers(request)
+        llm = parse(body, kind, headers, rid)
         if strip_gateway_fields(llm.body):
             body = orjson.dumps(llm.body)
         record.model = llm.model
@@ -295,15 +323,22 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         rt.enter()
         record.target_model = llm.target_model
         record.pool = rt.name
-        model_labels = (llm.model, llm.target_model)
-        series = gw.metrics.objective(llm.model, llm.target_model)
-        series.running.inc()
-        queued_s = await rt.admission.admit(
-            llm, len(body), tenant.max_priority if tenant is not None else None
-        )
+        max_priority = tenant.max_priority if tenant is not None else None
+        llm.priority = rt.admission.priority_of(headers)
+        if max_priority is not None and llm.priority > max_priority:
+            llm.priority = max_priority
+        series = gw.metrics.start(llm.model, llm.target_model, llm.fairness_id, llm.priority)
+        queued_s = await rt.admission.admit(llm, len(body), max_priority)
         admitted = True
         now = time.monotonic()
-        candidates = rt.pool.candidates(llm.base_model, now, llm.lora)
+        candidates = rt.pool.candidates(llm.base_model or None, now, llm.lora)
+        subset = subset_of(headers)
+        if subset is not None:
+            candidates = within_subset(candidates, subset)
+            if not candidates:
+                raise NoEndpoints(
+                    f"no ready endpoint serves model `{llm.target_model}` within {SUBSET_HEADER}"
+                )
         if not candidates:
             raise NoEndpoints(f"no ready endpoint serves model `{llm.target_model}`")
         await rt.cache_routing.prepare(llm, candidates)
@@ -311,11 +346,13 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         try:
             decision = rt.scheduler.schedule(llm, candidates, CycleState(now=now, rng=gw.rng))
         except NoCandidates as exc:
+            gw.metrics.scheduled(llm.target_model, None)
             raise NoEndpoints(
                 f"no endpoint fits the request for model `{llm.target_model}`"
             ) from exc
         gw.metrics.decision.observe(time.perf_counter() - t0)
         gw.metrics.observe_pick(rt.name, decision)
+        gw.metrics.scheduled(llm.target_model, decision.endpoint.address)
         rt.scheduler.pre_request(llm, decision, now)
         extra = {"X-Request-ID": rid, QUEUE_DURATION_HEADER: queue_ms(queued_s)}
         rt.cache_routing.headers(llm, decision, extra)
@@ -333,11 +370,10 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         if decision.upstream_headers:
             upstream_headers.update(decision.upstream_headers)
         if llm.target_model != llm.model:
-            llm.body["model"] = llm.target_model
-            body = orjson.dumps(llm.body)
+            body = with_model(llm, body)
             extra[SERVED_MODEL_HEADER] = llm.target_model
         tokens = llm.prompt_tokens + (llm.max_tokens or 0)
-        if rt.disagg is not None and rt.disagg.handles(decision):
+        if rt.disagg is not None and kind in DISAGG_KINDS and rt.disagg.handles(decision):
             response = await rt.disagg.forward(
                 request, llm, decision, request.path, body, upstream_headers, tokens, record,
                 started, extra,
@@ -352,7 +388,9 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
     except GatewayError as exc:
         record.status = exc.status
         record.error = exc.message
-        gw.metrics.request_errors.labels(*model_labels, str(exc.status)).inc()
+        error_code = exc.canonical
+        if series is None:
+            gw.metrics.error(exc.canonical, model=record.model or "")
         response = render(exc, {"X-Request-ID": rid})
         if isinstance(exc, RequestTimeout):
             await _answer_and_close(request, response)
@@ -368,7 +406,9 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         log.exception("unexpected error on request %s", rid)
         error = InternalError(f"the gateway failed: {describe(exc)}")
         record.status = error.status
-        gw.metrics.request_errors.labels(*model_labels, str(error.status)).inc()
+        error_code = error.canonical
+        if series is None:
+            gw.metrics.error(error.canonical, model=record.model or "")
         response = render(error, {"X-Request-ID": rid})
         return response
     finally:
@@ -384,15 +424,7 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
             record.status = 499
             record.error = record.error or "client disconnected"
         if series is not None:
-            series.running.dec()
-            series.requests.inc()
-            series.duration.observe(elapsed)
-            if record.ttft_ms is not None:
-                series.ttft.observe(record.ttft_ms / 1000.0)
-            if record.prompt_tokens is not None:
-                series.input_tokens.observe(record.prompt_tokens)
-            if record.completion_tokens is not None:
-                series.output_tokens.observe(record.completion_tokens)
+            gw.metrics.finish(series, record, elapsed, request_bytes, error_code)
         gw.metrics.response(record.status).inc()
         gw.access_log.write(record)
 
@@ -420,6 +452,30 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def embeddings(request: web.Request) -> web.StreamResponse:
     return await _inference(request, RequestKind.EMBEDDING)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _inference(request, RequestKind.RESPONSES)
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    return await _inference(request, RequestKind.MESSAGES)
+
+
+async def passthrough(request: web.Request) -> web.StreamResponse:
+    """Any other body with a `model`: routed by it, forwarded as it is (`PASSTHROUGH_ROUTES`
+    and every other `POST /v1/…`)."""
+    return await _inference(request, RequestKind.OTHER)
+
+
+PASSTHROUGH_ROUTES = tuple(PASSTHROUGH)
+"""vLLM's routes outside `/v1/` (and the audio ones, named for the docs); every other
+`POST /v1/…` reaches `passthrough` through the catch-all."""
+INFERENCE_ROUTES = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages"}
+    | set(PASSTHROUGH_ROUTES)
+)
+"""Routes of their own: another method on them is a 405, not a 404."""
 
 
 def public_models(gw: Gateway) -> list[dict[str, object]]:
@@ -464,6 +520,20 @@ async def list_models(request: web.Request) -> web.Response:
     )
 
 
+async def get_model(request: web.Request) -> web.Response:
+    """`GET /v1/models/{id}`: one entry of `GET /v1/models`, or an OpenAI 404."""
+    gw = request.app[GATEWAY]
+    try:
+        _authorise(gw, request)
+        wanted = request.match_info["model"]
+        for entry in public_models(gw):
+            if entry["id"] == wanted:
+                return web.Response(body=orjson.dumps(entry), content_type="application/json")
+        raise ModelNotFound(f"The model `{wanted}` does not exist.")
+    except GatewayError as exc:
+        return render(exc)
+
+
 async def health(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
@@ -492,6 +562,9 @@ async def error_middleware(
     except web.HTTPNotFound:
         return render(NotFound(f"no route for {clip(request.method)} {clip(request.path)}"))
     except web.HTTPMethodNotAllowed:
+        if request.path.startswith("/v1/") and request.path not in INFERENCE_ROUTES:
+            # only the POST catch-all matched: there is no such route
+            return render(NotFound(f"no route for {clip(request.method)} {clip(request.path)}"))
         exc = BadRequest(f"method {clip(request.method)} is not allowed on {clip(request.path)}")
         exc.status = 405
         return render(exc)
@@ -596,13 +669,19 @@ def create_app(gw: Gateway) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/messages", messages)
+    for path in PASSTHROUGH_ROUTES:
+        app.router.add_post(path, passthrough)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", get_model)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", serve_openapi)
     add_admin_routes(app, GATEWAY)
     add_scaleout_routes(app, GATEWAY)
+    app.router.add_post("/v1/{tail:.+}", passthrough)
     app.on_response_prepare.append(_mark_prepared)
     app.on_shutdown.append(_stop_queueing)
     app.cleanup_ctx.append(_components)

@@ -11,13 +11,18 @@
     ├── Dropped               429/503 with x-llm-d-request-dropped-reason
     │   ├── Saturated         429 rejected-saturated
     │   ├── TtlExpired        429 rejected-ttl-expired
-    │   └── NoEndpoints       503 rejected-no-endpoints
+    │   ├── NoEndpoints       503 rejected-no-endpoints
+    │   └── ShuttingDown      503 rejected-shutting-down
     ├── UpstreamFailed        502 upstream connect/protocol failure
     ├── UpstreamTimeout       504
     └── InternalError         500 server_error (an exception nothing else expected)
 
 `for_status` builds one for any status (aiohttp's own HTTP exceptions, a replica's error
 that is not JSON), with the standard `type` for it (`TYPE_BY_STATUS`).
+
+Each class also names llm-d's error code (`canonical`: `BadRequest`, `NotFound`,
+`ResourceExhausted`, `ServiceUnavailable`, …), the `error_code` label of
+`llm_d_epp_request_error_total` and `inference_objective_request_error_total`.
 
 Foreign exceptions (aiohttp, asyncio timeouts) are translated in `proxy.py` with
 `raise … from exc`; `render` is the one place that writes the JSON body.
@@ -38,6 +43,8 @@ class GatewayError(Exception):
     type: str = "server_error"
     code: str | None = None
     param: str | None = None
+    canonical: str = "Internal"
+    """llm-d's error code for this error (`pkg/common/error`), for the error metrics."""
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -55,17 +62,20 @@ class GatewayError(Exception):
 class BadRequest(GatewayError):
     status = 400
     type = "invalid_request_error"
+    canonical = "BadRequest"
 
 
 class Unauthorized(GatewayError):
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
+    canonical = "Unauthorized"
 
 
 class Forbidden(GatewayError):
     status = 403
     type = "permission_error"
+    canonical = "Forbidden"
 
 
 class ModelNotFound(GatewayError):
@@ -73,12 +83,14 @@ class ModelNotFound(GatewayError):
     type = "invalid_request_error"
     code = "model_not_found"
     param = "model"
+    canonical = "NotFound"
 
 
 class NotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
     code = "not_found"
+    canonical = "NotFound"
 
 
 class RequestTimeout(GatewayError):
@@ -91,6 +103,7 @@ class BodyTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+    canonical = "BadRequest"
 
 
 class Dropped(GatewayError):
@@ -106,6 +119,7 @@ class Saturated(Dropped):
     type = "rate_limit_error"
     code = "rejected-saturated"
     reason = "rejected-saturated"
+    canonical = "ResourceExhausted"
 
 
 class TtlExpired(Dropped):
@@ -113,6 +127,7 @@ class TtlExpired(Dropped):
     type = "rate_limit_error"
     code = "rejected-ttl-expired"
     reason = "rejected-ttl-expired"
+    canonical = "ResourceExhausted"
 
 
 class NoEndpoints(Dropped):
@@ -120,18 +135,31 @@ class NoEndpoints(Dropped):
     type = "service_unavailable_error"
     code = "rejected-no-endpoints"
     reason = "rejected-no-endpoints"
+    canonical = "ServiceUnavailable"
+
+
+class ShuttingDown(Dropped):
+    """The gateway is draining: queued and new requests are turned away."""
+
+    status = 503
+    type = "service_unavailable_error"
+    code = "rejected-shutting-down"
+    reason = "rejected-shutting-down"
+    canonical = "ServiceUnavailable"
 
 
 class UpstreamFailed(GatewayError):
     status = 502
     type = "bad_gateway_error"
     code = "upstream_failed"
+    canonical = "ModelServerError"
 
 
 class UpstreamTimeout(GatewayError):
     status = 504
     type = "timeout_error"
     code = "upstream_timeout"
+    canonical = "ModelServerError"
 
 
 class InternalError(GatewayError):

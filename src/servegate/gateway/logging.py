@@ -41,6 +41,8 @@ class AccessRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    response_bytes: int = 0
+    """Bytes of response body relayed to the client."""
     retries: int = 0
     stream: bool = False
     error: str | None = None

@@ -32,6 +32,8 @@ class Split:
     targets: tuple[Target, ...]
     pool: str | None = None
     sticky_header: str | None = None
+    name: str = ""
+    """The rewrite's name (`InferenceModelRewrite` metadata.name), for the metrics."""
 
     @property
     def total(self) -> int:
@@ -73,6 +75,8 @@ class Routed:
     model: str
     pool: str | None
     rewritten: bool
+    rule: str = ""
+    """The name of the rewrite that chose `model`, when one did."""
 
 
 class RoutingTable:
@@ -93,6 +97,7 @@ class RoutingTable:
                     tuple(Target(t.target, t.weight) for t in rule.targets),
                     rewrite.pool_ref,
                     header,
+                    rewrite.name or "",
                 )
                 if not rule.matches:
                     fallback = split
@@ -121,4 +126,4 @@ class RoutingTable:
             return Routed(model, None, False)
         session = headers.get(split.sticky_header, "") if split.sticky_header else ""
         target = sticky_choice(split, session) if session else random_choice(split, rng)
-        return Routed(target.model, split.pool, target.model != model)
+        return Routed(target.model, split.pool, target.model != model, split.name)

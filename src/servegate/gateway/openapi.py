@@ -30,6 +30,7 @@ def _error_response(description: str, dropped: bool = False) -> dict[str, Any]:
                         "rejected-saturated",
                         "rejected-ttl-expired",
                         "rejected-no-endpoints",
+                        "rejected-shutting-down",
                     ],
                 }
             }
@@ -37,9 +38,16 @@ def _error_response(description: str, dropped: bool = False) -> dict[str, Any]:
     return out
 
 
-_ROUTING_HEADERS = [
+_ROUTING_HEADERS: list[dict[str, Any]] = [
     {"name": "x-llm-d-inference-objective", "in": "header", "schema": {"type": "string"}},
     {"name": "x-llm-d-inference-fairness-id", "in": "header", "schema": {"type": "string"}},
+    {"name": "x-llm-d-model-name-rewrite", "in": "header", "schema": {"type": "string"}},
+    {
+        "name": "x-gateway-destination-endpoint-subset",
+        "in": "header",
+        "description": "Comma-separated ip:port (or ip) of pool members to choose among",
+        "schema": {"type": "string"},
+    },
     {"name": "X-Request-ID", "in": "header", "schema": {"type": "string", "maxLength": 128}},
 ]
 
@@ -70,23 +78,35 @@ _CONTENT = {
 }
 
 
-def _inference(summary: str, schema: str) -> dict[str, Any]:
+def _inference(
+    summary: str,
+    schema: str,
+    op: str | None = None,
+    form: bool = False,
+    path_param: str | None = None,
+) -> dict[str, Any]:
+    content: dict[str, Any] = {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}
+    }
+    if form:
+        content["multipart/form-data"] = {"schema": {"$ref": "#/components/schemas/AudioForm"}}
+    parameters: list[dict[str, Any]] = list(_ROUTING_HEADERS)
+    if path_param is not None:
+        parameters.append(
+            {"name": path_param, "in": "path", "required": True, "schema": {"type": "string"}}
+        )
     return {
         "post": {
             "summary": summary,
-            "operationId": schema[0].lower() + schema[1:],
-            "parameters": _ROUTING_HEADERS,
-            "requestBody": {
-                "required": True,
-                "content": {
-                    "application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}
-                },
-            },
+            "operationId": op or schema[0].lower() + schema[1:],
+            "parameters": parameters,
+            "requestBody": {"required": True, "content": content},
             "responses": {
                 "200": {
                     "description": "The replica's answer, relayed (SSE when `stream` is true)",
                     "headers": {
                         "x-gateway-destination-endpoint": {"schema": {"type": "string"}},
+                        "x-gateway-destination-endpoint-served": {"schema": {"type": "string"}},
                         "x-llm-d-flow-queue-duration-ms": {"schema": {"type": "string"}},
                     },
                     "content": {
@@ -130,6 +150,55 @@ def _admin(summary: str, op: str, method: str, path_param: bool) -> dict[str, An
     return {method: out}
 
 
+PASSTHROUGH = {
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+    "/pooling": "pooling",
+    "/classify": "classify",
+    "/score": "score",
+    "/rerank": "rerank",
+    "/v1/score": "scoreV1",
+    "/v1/rerank": "rerankV1",
+    "/v2/rerank": "rerankV2",
+    "/v1/audio/transcriptions": "audioTranscriptions",
+    "/v1/audio/translations": "audioTranslations",
+    "/v1/audio/speech": "audioSpeech",
+}
+"""Routes forwarded by their `model` alone (mirrors `app.PASSTHROUGH_ROUTES`)."""
+
+
+def _passthrough_paths() -> dict[str, Any]:
+    out = {
+        path: _inference(
+            f"{path}: forwarded to a replica of the model", "ModelRequest", op, "/audio/t" in path
+        )
+        for path, op in PASSTHROUGH.items()
+    }
+    out["/v1/{tail}"] = _inference(
+        "Any other POST /v1/...: forwarded to a replica of the model",
+        "ModelRequest",
+        "passthroughV1",
+        path_param="tail",
+    )
+    return out
+
+
+def _model_path() -> dict[str, Any]:
+    get = _plain(
+        "One model of GET /v1/models",
+        "getModel",
+        "application/json",
+        {
+            "401": _error_response("Missing or wrong API key"),
+            "404": _error_response("Unknown model"),
+        },
+    )
+    get["get"]["parameters"] = [
+        {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+    ]
+    return get
+
+
 def openapi_document() -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
@@ -142,6 +211,10 @@ def openapi_document() -> dict[str, Any]:
             "/v1/chat/completions": _inference("Chat completion", "ChatCompletionRequest"),
             "/v1/completions": _inference("Text completion", "CompletionRequest"),
             "/v1/embeddings": _inference("Embeddings", "EmbeddingRequest"),
+            "/v1/responses": _inference("OpenAI Responses API", "ResponsesRequest"),
+            "/v1/messages": _inference("Anthropic Messages API", "MessagesRequest"),
+            **_passthrough_paths(),
+            "/v1/models/{model}": _model_path(),
             "/v1/models": _plain(
                 "Models the pool serves",
                 "listModels",
@@ -244,6 +317,52 @@ def openapi_document() -> dict[str, Any]:
                         },
                         "stream": {"type": "boolean"},
                         "max_tokens": _MAX_TOKENS,
+                    },
+                },
+                "ResponsesRequest": {
+                    "type": "object",
+                    "required": ["model"],
+                    "properties": {
+                        "model": {"type": "string", "minLength": 1},
+                        "input": {"anyOf": [{"type": "string"}, {"type": "array"}]},
+                        "instructions": {"type": ["string", "null"]},
+                        "stream": {"type": "boolean"},
+                        "max_output_tokens": _MAX_TOKENS,
+                    },
+                },
+                "MessagesRequest": {
+                    "type": "object",
+                    "required": ["model", "messages", "max_tokens"],
+                    "properties": {
+                        "model": {"type": "string", "minLength": 1},
+                        "system": _CONTENT,
+                        "messages": {
+                            "type": "array",
+                            "minItems": 1,
+                            "items": {
+                                "type": "object",
+                                "required": ["role"],
+                                "properties": {"role": {"type": "string"}, "content": _CONTENT},
+                            },
+                        },
+                        "stream": {"type": "boolean"},
+                        "max_tokens": _MAX_TOKENS,
+                    },
+                },
+                "ModelRequest": {
+                    "type": "object",
+                    "description": "Routed by `model`; without one, to any endpoint of the first pool",
+                    "properties": {
+                        "model": {"type": "string", "minLength": 1},
+                        "stream": {"type": "boolean"},
+                    },
+                },
+                "AudioForm": {
+                    "type": "object",
+                    "required": ["model", "file"],
+                    "properties": {
+                        "model": {"type": "string", "minLength": 1},
+                        "file": {"type": "string", "format": "binary"},
                     },
                 },
                 "EmbeddingRequest": {

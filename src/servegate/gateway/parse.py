@@ -75,8 +75,38 @@ def _embedding_input(body: dict[str, Any]) -> str:
     raise BadRequest("'input' must be a string or a non-empty array", param="input")
 
 
+TEXT_KEYS = (
+    "instructions", "system", "messages", "input", "prompt", "query", "queries", "documents",
+    "text", "text_1", "text_2", "content",
+)  # fmt: skip
+"""Where the text of a body other than chat, completion or embeddings is looked for."""
+MAX_TEXT_DEPTH = 6
+
+
+def _texts(value: Any, out: list[str], depth: int = 0) -> None:
+    if isinstance(value, str):
+        out.append(value)
+    elif depth >= MAX_TEXT_DEPTH:
+        return
+    elif isinstance(value, list):
+        for item in value:
+            _texts(item, out, depth + 1)
+    elif isinstance(value, dict):
+        for key in TEXT_KEYS:
+            if key in value:
+                _texts(value[key], out, depth + 1)
+
+
+def body_text(body: dict[str, Any]) -> str:
+    """The text a body carries (Responses `input`, Anthropic `system` and `messages`, rerank
+    `query` and `documents`, …), in field order; "" when it has none."""
+    out: list[str] = []
+    _texts(body, out)
+    return "\n".join(out)
+
+
 def _max_tokens(body: dict[str, Any]) -> int | None:
-    for key in ("max_completion_tokens", "max_tokens"):
+    for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
         value = body.get(key)
         if value is None:
             continue
@@ -109,9 +139,19 @@ def strip_gateway_fields(body: dict[str, Any]) -> bool:
 def parse_request(
     raw: bytes, kind: RequestKind, headers: Mapping[str, str], request_id: str
 ) -> LLMRequest:
+    if kind is RequestKind.OTHER and _is_form(headers):
+        return parse_form(raw, headers, request_id)
     body = decode_body(raw)
+    return _parsed(body, kind, headers, request_id)
+
+
+def _parsed(
+    body: dict[str, Any], kind: RequestKind, headers: Mapping[str, str], request_id: str
+) -> LLMRequest:
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None and kind is RequestKind.OTHER:
+        model = ""  # vLLM's other routes default to the served model: any endpoint may answer
+    elif not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -122,8 +162,10 @@ def parse_request(
         prompt, messages = _chat_prompt(body)
     elif kind is RequestKind.COMPLETION:
         prompt, token_ids = _completion_prompt(body)
-    else:
+    elif kind is RequestKind.EMBEDDING:
         prompt = _embedding_input(body)
+    else:
+        prompt = body_text(body)
     fairness = ""
     for name in FAIRNESS_HEADERS:
         if name in headers:
@@ -149,3 +191,70 @@ def parse_request(
     if token_ids is not None:
         request.cache["token_ids"] = token_ids
     return request
+
+
+# -- multipart forms (`/v1/audio/transcriptions`, `/v1/audio/translations`) -------------
+
+FORM_FIELDS = ("model", "stream")
+
+
+def _is_form(headers: Mapping[str, str]) -> bool:
+    return headers.get("content-type", "").lower().startswith("multipart/form-data")
+
+
+def _boundary(content_type: str) -> bytes:
+    for param in content_type.split(";")[1:]:
+        key, _, value = param.strip().partition("=")
+        if key.lower() == "boundary" and value:
+            return value.strip('"').encode("latin-1")
+    raise BadRequest("multipart/form-data without a boundary")
+
+
+def form_fields(raw: bytes, content_type: str) -> dict[str, tuple[int, int]]:
+    """Where the small text fields (`model`, `stream`) of a multipart body lie: name →
+    (start, end) of the value in `raw`. The file parts are skipped, never copied."""
+    delimiter = b"--" + _boundary(content_type)
+    out: dict[str, tuple[int, int]] = {}
+    pos = raw.find(delimiter)
+    while pos >= 0:
+        head_start = pos + len(delimiter)
+        if raw.startswith(b"--", head_start):
+            break
+        head_end = raw.find(b"\r\n\r\n", head_start)
+        if head_end < 0:
+            break
+        head = raw[head_start:head_end].decode("latin-1").lower()
+        value_start = head_end + 4
+        nxt = raw.find(b"\r\n" + delimiter, value_start)
+        if nxt < 0:
+            break
+        for name in FORM_FIELDS:
+            if f'name="{name}"' in head and "filename=" not in head:
+                out[name] = (value_start, nxt)
+        pos = nxt + 2
+    return out
+
+
+def parse_form(raw: bytes, headers: Mapping[str, str], request_id: str) -> LLMRequest:
+    """A multipart request: routed by its `model` field; the audio itself is not read."""
+    spans = form_fields(raw, headers.get("content-type", ""))
+    span = spans.get("model")
+    body: dict[str, Any] = {}
+    if span is not None:
+        body["model"] = raw[span[0] : span[1]].decode("utf-8", "replace").strip()
+    stream_span = spans.get("stream")
+    if stream_span is not None:
+        body["stream"] = raw[stream_span[0] : stream_span[1]].strip().lower() == b"true"
+    request = _parsed(body, RequestKind.OTHER, headers, request_id)
+    if span is not None:
+        request.cache["form_model_span"] = span
+    return request
+
+
+def with_model(request: LLMRequest, raw: bytes) -> bytes:
+    """The body to forward, asking for `request.target_model`."""
+    span = request.cache.get("form_model_span")
+    if span is not None:
+        return raw[: span[0]] + request.target_model.encode() + raw[span[1] :]
+    request.body["model"] = request.target_model
+    return orjson.dumps(request.body)

@@ -35,7 +35,7 @@ from servegate.gateway.admission import GatewayAdmission, build_admission
 from servegate.gateway.cache_routing import CacheRouting, build_cache_routing
 from servegate.gateway.chat_template import ChatTemplateError
 from servegate.gateway.disagg import Disaggregator, build_disaggregator
-from servegate.gateway.metrics import GatewayMetrics
+from servegate.gateway.metrics import GatewayMetrics, PluginDurationCollector, with_aliases
 from servegate.gateway.proxy import Proxy
 from servegate.gateway.retry import RetryBudget
 from servegate.gateway.triton import TritonTranslator
@@ -229,6 +229,7 @@ def build_runtime(
     except (ChatTemplateError, TokenizerError) as exc:
         raise ConfigError(f"pool {entry.name!r}: {exc}") from exc
     registry = CollectorRegistry(auto_describe=True)
+    registry.register(PluginDurationCollector(scheduler))
     flow = entry.flow_control or config.flow_control
     admission = build_admission(flow, state.pool, registry, picker_doc, scheduler.plugins)
     cache = build_cache_routing(
@@ -254,7 +255,8 @@ def _runtime_key(
 
 
 class RuntimeCollector(Collector):
-    """Each runtime's own metrics (flow control, KV events), labelled with its pool."""
+    """Each runtime's own metrics (flow control, plugin timings, KV events), labelled with
+    its pool; the families the Inference Extension names differently come twice."""
 
     def __init__(self, runtimes: Any) -> None:
         self._runtimes = runtimes
@@ -274,4 +276,4 @@ class RuntimeCollector(Collector):
                     if POOL_LABEL not in labels:
                         labels = {**labels, POOL_LABEL: runtime.name}
                     merged.samples.append(sample._replace(labels=labels))
-        yield from families.values()
+        yield from with_aliases(families.values())

@@ -33,14 +33,17 @@ from servegate.config import GatewaySettings
 from servegate.datalayer.outlier import OutlierDetector
 from servegate.gateway.errors import (
     GatewayError,
+    NotFound,
     UpstreamFailed,
     UpstreamTimeout,
     clip,
     describe,
+    error_body,
     for_status,
     render,
     sse_error_event,
 )
+from servegate.gateway.headers import DESTINATION_HEADER, SERVED_HEADER
 from servegate.gateway.logging import AccessRecord
 from servegate.gateway.metrics import GatewayMetrics
 from servegate.gateway.retry import RetryBudget
@@ -143,8 +146,21 @@ def usage_from(obj: Any) -> Usage | None:
     if not isinstance(obj, dict):
         return None
     usage = obj.get("usage")
+    if usage is None and isinstance(obj.get("response"), dict):
+        usage = obj["response"].get("usage")  # the Responses API's `response.completed` event
     if not isinstance(usage, dict):
         return None
+    if "input_tokens" in usage or "output_tokens" in usage:
+        # Anthropic's Messages API (and OpenAI's Responses API) name them so.
+        details = usage.get("input_tokens_details")
+        cached = usage.get("cache_read_input_tokens")
+        if cached is None and isinstance(details, dict):
+            cached = details.get("cached_tokens")
+        return Usage(
+            prompt_tokens=_int(usage.get("input_tokens")),
+            completion_tokens=_int(usage.get("output_tokens")),
+            cached_tokens=_int(cached),
+        )
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return Usage(
@@ -406,7 +422,8 @@ class Proxy:
         first: bytes = b"",
     ) -> web.StreamResponse:
         headers = response_headers(upstream.headers)
-        headers["x-gateway-destination-endpoint"] = state.address
+        headers[DESTINATION_HEADER] = state.address
+        headers[SERVED_HEADER] = state.address
         headers.update(extra_headers)
         record.status = upstream.status
         if upstream.content_type == "text/event-stream":
@@ -417,8 +434,12 @@ class Proxy:
         record.ttft_ms = (time.monotonic() - started) * 1000.0
         if not complete:
             return await self._relay_large(http_request, upstream, state, record, headers, data)
-        if upstream.status >= 400 and not _openai_like_error(upstream, data):
+        if upstream.status == 404 and not _is_error_object(data):
+            data = _missing_route(http_request, state, headers)
+            record.error = "the endpoint does not serve this route"
+        elif upstream.status >= 400 and not _openai_like_error(upstream, data):
             return _wrapped_error(upstream, state, record, headers, data)
+        record.response_bytes = len(data)
         if USAGE_MARK in data:
             try:
                 self._note_usage(record, usage_from(orjson.loads(data)))
@@ -475,11 +496,16 @@ class Proxy:
                     if record.ttft_ms is None:
                         record.ttft_ms = (time.monotonic() - started) * 1000.0
                     if content.at_eof():
-                        return out + stream.finish()
+                        last = out + stream.finish()
+                        record.response_bytes += len(last)
+                        return last
+                    record.response_bytes += len(out)
                     await response.write(out)
                 if stream.ended:
                     break
-            return stream.finish()
+            last = stream.finish()
+            record.response_bytes += len(last)
+            return last
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
             self._midstream(state, record, exc)
             return stream.abort(UpstreamFailed(_midstream_message(state)))
@@ -599,7 +625,8 @@ class Proxy:
         request: TritonRequest,
     ) -> web.StreamResponse:
         headers: CIMultiDict[str] = CIMultiDict()
-        headers["x-gateway-destination-endpoint"] = state.address
+        headers[DESTINATION_HEADER] = state.address
+        headers[SERVED_HEADER] = state.address
         headers.update(extra_headers)
         endpoint = state.endpoint
         if upstream.status != 200:
@@ -626,6 +653,7 @@ class Proxy:
         record.status = 200
         record.prompt_tokens = usage.prompt_tokens
         record.completion_tokens = usage.completion_tokens
+        record.response_bytes = len(body)
         return web.Response(body=body, content_type="application/json", headers=headers)
 
     async def _relay_triton_stream(
@@ -758,6 +786,30 @@ def _wrapped_error(
 def _identity_encoding(headers: Mapping[str, str]) -> dict[str, str]:
     """Translated answers must be read, so they must not come compressed."""
     return {k: v for k, v in headers.items() if k.lower() != "accept-encoding"}
+
+
+def _is_error_object(data: bytes) -> bool:
+    """The body is an error the client can read as one (`{"error": {...}}`, OpenAI's and
+    Anthropic's shape), rather than a web framework's bare 404 for a route it lacks."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return False
+    if not isinstance(obj, dict):
+        return False
+    return isinstance(obj.get("error"), dict) or obj.get("object") == "error"
+
+
+def _missing_route(
+    http_request: web.Request, state: EndpointState, headers: CIMultiDict[str]
+) -> bytes:
+    """An OpenAI 404 in place of the replica's own: the route exists at the gateway, not there."""
+    error = NotFound(
+        f"endpoint {state.address} does not serve {http_request.method} {http_request.path}"
+    )
+    headers.popall("Content-Encoding", None)
+    headers["Content-Type"] = "application/json"
+    return error_body(error.message, error.type, error.code, error.param)
 
 
 def _midstream_message(state: EndpointState) -> str:

@@ -17,6 +17,13 @@ class RequestKind(StrEnum):
     CHAT = "chat"
     COMPLETION = "completion"
     EMBEDDING = "embedding"
+    RESPONSES = "responses"
+    """OpenAI's Responses API (`/v1/responses`)."""
+    MESSAGES = "messages"
+    """Anthropic's Messages API (`/v1/messages`)."""
+    OTHER = "other"
+    """Any other body with a `model` (`/tokenize`, `/v1/rerank`, `/v1/audio/*`, …): routed
+    by its model; its text, where it has any, feeds prefix-aware routing as a prompt."""
 
 
 @dataclass(slots=True)

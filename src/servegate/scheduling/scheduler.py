@@ -22,6 +22,7 @@ it (debug headers, logs), so the hot path allocates no per-endpoint dicts.
 from __future__ import annotations
 
 import random
+from bisect import bisect_left
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from math import gcd
@@ -45,15 +46,37 @@ from servegate.scheduling.framework import (
 from servegate.scheduling.profiles import ProfileSetCheck
 from servegate.scheduling.request import LLMRequest
 
+PLUGIN_BUCKETS_S = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+"""Upper bounds of the per-call duration buckets (llm-d's plugin-duration buckets)."""
+_BOUNDS_NS = tuple(round(b * 1e9) for b in PLUGIN_BUCKETS_S)
+
+FILTER = "Filter"
+SCORER = "Scorer"
+PICKER = "Picker"
+PROFILE_PICKER = "ProfilePicker"
+PROCESS_RESULTS = "ProcessProfilesResults"
+PRE_REQUEST = "PreRequest"
+RESPONSE_COMPLETE = "ResponseComplete"
+"""Extension point names, as llm-d labels `plugin_duration_seconds`."""
+
 
 @dataclass(slots=True)
 class PluginTiming:
-    """Time spent in one plugin, for the gateway's exporter."""
+    """Time spent in one plugin at one extension point, for the gateway's exporter."""
 
+    type: str = ""
+    """The plugin's type, e.g. `prefix-cache-scorer`."""
     calls: int = 0
     """How many times the plugin ran."""
     total_ns: int = 0
     """Cumulative wall time inside the plugin, in nanoseconds."""
+    counts: list[int] = field(default_factory=lambda: [0] * (len(_BOUNDS_NS) + 1))
+    """Calls per duration bucket (`PLUGIN_BUCKETS_S`, then +Inf); not cumulative."""
+
+    def add(self, ns: int) -> None:
+        self.calls += 1
+        self.total_ns += ns
+        self.counts[bisect_left(_BOUNDS_NS, ns)] += 1
 
 
 @dataclass(slots=True)
@@ -66,10 +89,10 @@ class SchedulerStats:
     """Cycles that ended with `NoCandidates`."""
     shortlisted: int = 0
     """Profile runs scored on a shortlist instead of every candidate (large pools)."""
-    plugins: dict[str, PluginTiming] = field(default_factory=dict)
-    """Per plugin name: time in filter/score/pick/profile-handler calls."""
-    hooks: dict[str, PluginTiming] = field(default_factory=dict)
-    """Per plugin name: time in `pre_request` / `response_complete` hooks."""
+    plugins: dict[tuple[str, str], PluginTiming] = field(default_factory=dict)
+    """Per (extension point, plugin name): time in filter/score/pick/profile-handler calls."""
+    hooks: dict[tuple[str, str], PluginTiming] = field(default_factory=dict)
+    """Per (extension point, plugin name): time in `pre_request` / `response_complete`."""
 
 
 def clamp(x: float) -> float:
@@ -255,20 +278,22 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.warnings: tuple[str, ...] = ()
         """What the picker config asks for that servegate does differently (logged at load)."""
-        timed: list[Plugin] = [handler, *self.plugins.values()]
+        timed: list[tuple[str, Plugin]] = [(PROFILE_PICKER, handler), (PROCESS_RESULTS, handler)]
         for profile in self.profiles.values():
-            timed.extend(profile.filters)
-            timed.extend(ws.scorer for ws in profile.scorers)
-            timed.append(profile.picker)
-        for plugin in timed:
-            self.stats.plugins.setdefault(plugin.name, PluginTiming())
+            timed.extend((FILTER, f) for f in profile.filters)
+            timed.extend((SCORER, ws.scorer) for ws in profile.scorers)
+            timed.append((PICKER, profile.picker))
+        for point, plugin in timed:
+            self.stats.plugins.setdefault((point, plugin.name), PluginTiming(plugin.type))
         self._timings = self.stats.plugins
         pre = [p for p in self.plugins.values() if isinstance(p, PreRequest)]
         # plugins that read what the indexes held before this decision go first
         self._hooks_pre = sorted(pre, key=lambda p: not getattr(p, "reads_before_records", False))
         self._hooks_complete = [p for p in self.plugins.values() if isinstance(p, ResponseComplete)]
-        for hook in (*self._hooks_pre, *self._hooks_complete):
-            self.stats.hooks.setdefault(hook.name, PluginTiming())
+        for pre in self._hooks_pre:
+            self.stats.hooks.setdefault((PRE_REQUEST, pre.name), PluginTiming(pre.type))
+        for done in self._hooks_complete:
+            self.stats.hooks.setdefault((RESPONSE_COMPLETE, done.name), PluginTiming(done.type))
 
     # -- the decision ------------------------------------------------------------------
     def schedule(
@@ -285,12 +310,11 @@ class Scheduler:
             raise NoCandidates("no candidate endpoints")
         handler = self.handler
         profiles = self.profiles
-        timing = self._timings[handler.name]
+        timing = self._timings[(PROFILE_PICKER, handler.name)]
         results: dict[str, ProfileResult | None] = {}
         t0 = perf_counter_ns()
         names = handler.pick_profiles(cycle, request, profiles, results)
-        timing.calls += 1
-        timing.total_ns += perf_counter_ns() - t0
+        timing.add(perf_counter_ns() - t0)
         while names:
             for name in names:
                 if name in results:
@@ -305,12 +329,10 @@ class Scheduler:
                 results[name] = self._run_profile(profile, cycle, request, candidates)
             t0 = perf_counter_ns()
             names = handler.pick_profiles(cycle, request, profiles, results)
-            timing.calls += 1
-            timing.total_ns += perf_counter_ns() - t0
+            timing.add(perf_counter_ns() - t0)
         t0 = perf_counter_ns()
         decision = handler.process_results(cycle, request, results)
-        timing.calls += 1
-        timing.total_ns += perf_counter_ns() - t0
+        self._timings[(PROCESS_RESULTS, handler.name)].add(perf_counter_ns() - t0)
         if decision is None:
             stats.no_candidates += 1
             ran = ", ".join(results) or "none"
@@ -342,9 +364,7 @@ class Scheduler:
             else:
                 endpoints = flt.filter(cycle, request, endpoints)
             t1 = perf_counter_ns()
-            timing = timings[flt.name]
-            timing.calls += 1
-            timing.total_ns += t1 - t0
+            timings[(FILTER, flt.name)].add(t1 - t0)
             t0 = t1
             if not endpoints:
                 return None
@@ -376,17 +396,13 @@ class Scheduler:
             weights.append(w)
             raws.append(raw)
             t1 = perf_counter_ns()
-            timing = timings[scorer.name]
-            timing.calls += 1
-            timing.total_ns += t1 - t0
+            timings[(SCORER, scorer.name)].add(t1 - t0)
             t0 = t1
         if totals is None:
             totals = [0.0] * n
         picker = profile.picker
         ranked = picker.pick(cycle, request, endpoints, totals)
-        timing = timings[picker.name]
-        timing.calls += 1
-        timing.total_ns += perf_counter_ns() - t0
+        timings[(PICKER, picker.name)].add(perf_counter_ns() - t0)
         if not ranked:
             return None
         return ProfileResult(
@@ -440,9 +456,7 @@ class Scheduler:
         for plugin in self._hooks_pre:
             t0 = perf_counter_ns()
             plugin.pre_request(request, decision, now)
-            timing = hooks[plugin.name]
-            timing.calls += 1
-            timing.total_ns += perf_counter_ns() - t0
+            hooks[(PRE_REQUEST, plugin.name)].add(perf_counter_ns() - t0)
 
     def response_complete(self, request: LLMRequest, endpoint: EndpointState, now: float) -> None:
         """Tell every `ResponseComplete` plugin that `endpoint` finished serving `request`."""
@@ -450,9 +464,7 @@ class Scheduler:
         for plugin in self._hooks_complete:
             t0 = perf_counter_ns()
             plugin.response_complete(request, endpoint, now)
-            timing = hooks[plugin.name]
-            timing.calls += 1
-            timing.total_ns += perf_counter_ns() - t0
+            hooks[(RESPONSE_COMPLETE, plugin.name)].add(perf_counter_ns() - t0)
 
     # -- introspection ---------------------------------------------------------------
     def describe(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from servegate.simulator import openai_api, triton_api
+from servegate.simulator import anthropic_api, openai_api, triton_api
 from servegate.simulator.config import SimConfig
 from servegate.simulator.engine import RequestError
 from servegate.simulator.faults import FaultCommand
@@ -42,6 +42,7 @@ def build_app(
     if persona.openai:
         r.add_post("/v1/completions", openai_api.completions)
         r.add_post("/v1/chat/completions", openai_api.chat_completions)
+        r.add_post("/v1/messages", anthropic_api.messages)
         r.add_get("/v1/models", models)
         r.add_post("/tokenize", tokenize)
         r.add_post("/detokenize", detokenize)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from time import perf_counter
 
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.flowcontrol.queues import DEFAULT_FLOW, FlowQueues, QueueFull, Ticket
@@ -51,7 +52,7 @@ DROPPED_REASONS: dict[Outcome, str] = {
     Outcome.EVICTED_TTL: "rejected-ttl-expired",
     Outcome.EVICTED_NO_ENDPOINTS: "rejected-no-endpoints",
     Outcome.EVICTED_CONTEXT_CANCELLED: "rejected-context-cancelled",
-    Outcome.EVICTED_SHUTDOWN: "rejected-no-endpoints",
+    Outcome.EVICTED_SHUTDOWN: "rejected-shutting-down",
 }
 """The `x-llm-d-request-dropped-reason` of every outcome but `Dispatched`."""
 
@@ -59,12 +60,16 @@ DROPPED_REASONS: dict[Outcome, str] = {
 class Rejected(Exception):
     """The request leaves flow control without being dispatched."""
 
-    def __init__(self, outcome: Outcome, message: str, waited_s: float = 0.0) -> None:
+    def __init__(
+        self, outcome: Outcome, message: str, waited_s: float = 0.0, queued: bool = False
+    ) -> None:
         super().__init__(message)
         self.outcome = outcome
         self.reason = DROPPED_REASONS[outcome]
         self.message = message
         self.waited_s = waited_s
+        self.queued = queued
+        """True when the request had been queued (and left the queue this way)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +93,14 @@ class FlowStats:
     def count(self, priority: int, outcome: Outcome) -> None:
         key = (priority, outcome)
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
+
+
+EnqueueObserver = Callable[[int, str, str, float], None]
+"""(priority, flow, outcome, seconds): one request's way into flow control, timed."""
+DispatchObserver = Callable[[float], None]
+"""Seconds one dispatch cycle took (a pass over the queues that released what fit)."""
+NOT_YET_FINALIZED = "NotYetFinalized"
+"""The enqueue outcome of a request that was queued (llm-d's name)."""
 
 
 class FlowController:
@@ -122,6 +135,8 @@ class FlowController:
         self._clock = clock
         self._closed = False
         self._watchdog: asyncio.TimerHandle | None = None
+        self.on_enqueue: EnqueueObserver | None = None
+        self.on_dispatch: DispatchObserver | None = None
         staleness = getattr(detector, "staleness", None)
         self._recheck_s = float(staleness) if isinstance(staleness, int | float) else RECHECK_S
 
@@ -140,6 +155,25 @@ class FlowController:
         self, priority: int = 0, flow: str = "", size: int = 0, tokens: int = 0
     ) -> Admission:
         """Wait for a dispatch slot; raises `Rejected` (and re-raises cancellation)."""
+        started = perf_counter()
+        try:
+            admission = await self._admit(priority, flow, size, tokens, started)
+        except Rejected as exc:
+            if not exc.queued:
+                self._enqueued(priority, flow, exc.outcome.value, started)
+            raise
+        if not admission.queued:
+            self._enqueued(priority, flow, Outcome.DISPATCHED.value, started)
+        return admission
+
+    def _enqueued(self, priority: int, flow: str, outcome: str, started: float) -> None:
+        observe = self.on_enqueue
+        if observe is not None:
+            observe(priority, flow or DEFAULT_FLOW, outcome, perf_counter() - started)
+
+    async def _admit(
+        self, priority: int, flow: str, size: int, tokens: int, started: float
+    ) -> Admission:
         now = self._clock()
         if self._closed:
             self.stats.count(priority, Outcome.EVICTED_SHUTDOWN)
@@ -165,10 +199,10 @@ class FlowController:
                 Outcome.REJECTED_SATURATED,
                 f"the pool is saturated; priority {priority} requests are shed",
             )
-        return await self._wait(priority, flow or DEFAULT_FLOW, size, tokens, now)
+        return await self._wait(priority, flow or DEFAULT_FLOW, size, tokens, now, started)
 
     async def _wait(
-        self, priority: int, flow: str, size: int, tokens: int, now: float
+        self, priority: int, flow: str, size: int, tokens: int, now: float, started: float
     ) -> Admission:
         loop = asyncio.get_running_loop()
         ticket = Ticket(flow=flow, priority=priority, size=size, tokens=tokens, enqueued_at=now)
@@ -182,6 +216,7 @@ class FlowController:
         ttl = self.band_ttl_s.get(priority, self.ttl_s)
         expiry = loop.call_later(ttl, self._expire, ticket) if ttl > 0 else None
         self._dispatch()
+        self._enqueued(priority, flow, NOT_YET_FINALIZED, started)
         try:
             outcome = await waiter
         except asyncio.CancelledError:
@@ -203,7 +238,7 @@ class FlowController:
             Outcome.EVICTED_NO_ENDPOINTS: "no endpoint takes requests",
             Outcome.EVICTED_SHUTDOWN: "the gateway is shutting down",
         }.get(outcome, outcome.value)
-        raise Rejected(outcome, message, waited)
+        raise Rejected(outcome, message, waited, queued=True)
 
     def _resumed(self, ticket: Ticket) -> None:
         self.pending = max(0, self.pending - 1)
@@ -233,6 +268,15 @@ class FlowController:
             self._dispatch()
 
     def _dispatch(self) -> None:
+        observe = self.on_dispatch
+        if observe is None:
+            self._dispatch_cycle()
+            return
+        started = perf_counter()
+        self._dispatch_cycle()
+        observe(perf_counter() - started)
+
+    def _dispatch_cycle(self) -> None:
         queues = self.queues
         while queues.requests:
             now = self._clock()
