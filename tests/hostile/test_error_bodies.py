@@ -28,7 +28,6 @@ def plain(status: int, text: str, content_type: str = "text/plain") -> Any:
     [
         pytest.param(500, "Internal Server Error", "text/plain", "server_error", id="500-text"),
         pytest.param(503, "<html>busy</html>", "text/html", "service_unavailable_error", id="503-html"),
-        pytest.param(404, "404: Not Found", "text/plain", "invalid_request_error", id="404-text"),
         pytest.param(429, "", "text/plain", "rate_limit_error", id="429-empty"),
         pytest.param(500, "[1, 2]", "application/json", "server_error", id="500-json-not-object"),
     ],
@@ -48,6 +47,23 @@ async def test_a_non_json_replica_error_is_wrapped(
                 assert error["code"] == "upstream_error"
                 assert f"answered {status}" in error["message"]
                 assert resp.headers["x-gateway-destination-endpoint"] == replica.address
+    finally:
+        await replica.stop()
+
+
+async def test_a_bare_404_is_the_route_missing_there(http: aiohttp.ClientSession) -> None:
+    """A framework's text 404 means the replica lacks the route: an OpenAI not_found."""
+    replica = await Replica(plain(404, "404: Not Found", "text/plain")).start()
+    try:
+        async with GatewayRunner(gateway_config([replica.url], max_retries=0)) as gw:
+            await ready(gw, 1)
+            async with http.post(gw.url + "/v1/chat/completions", json=CHAT) as resp:
+                assert resp.status == 404
+                assert resp.content_type == "application/json"
+                error = (await resp.json())["error"]
+                assert error["type"] == "invalid_request_error"
+                assert error["code"] == "not_found"
+                assert "does not serve POST /v1/chat/completions" in error["message"]
     finally:
         await replica.stop()
 

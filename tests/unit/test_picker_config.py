@@ -169,7 +169,9 @@ def test_mapping_input_and_custom_registry() -> None:
     doc = yaml.safe_load(HEAD + "plugins:\n- type: queue-scorer\n")
     scheduler = load_picker_config(doc, CTX, registry=registry)
     assert summary(scheduler)["default"][1] == [("queue-scorer", 1.0)]
-    with pytest.raises(PickerConfigError, match=r"known types: queue-scorer$"):
+    with pytest.raises(
+        PickerConfigError, match=r"'decode-filter'; docs/plugins.md lists the 1 known types$"
+    ):
         load_picker_config(HEAD + "plugins:\n- type: decode-filter\n", CTX, registry=registry)
 
 
@@ -222,7 +224,7 @@ ERRORS = [
     ),
     pytest.param(
         HEAD + "plugins:\n- type: queue-scorrer\n",
-        ["plugins[0]: unknown plugin type 'queue-scorrer'", "known types: active-request-scorer"],
+        ["plugins[0]: unknown plugin type 'queue-scorrer'", "did you mean 'queue-scorer'"],
         id="unknown-type",
     ),
     pytest.param(

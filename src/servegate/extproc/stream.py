@@ -43,7 +43,7 @@ from servegate.extproc.protocol import (
 from servegate.extproc.usage import UsageTap
 from servegate.gateway.admission import QUEUE_DURATION_HEADER, queue_ms
 from servegate.gateway.app import Gateway
-from servegate.gateway.errors import BodyTooLarge, GatewayError, Unauthorized, error_body
+from servegate.gateway.errors import BodyTooLarge, GatewayError, error_body
 from servegate.gateway.headers import SERVED_HEADER
 from servegate.gateway.logging import AccessRecord
 from servegate.gateway.metrics import RequestSeries

@@ -206,7 +206,7 @@ class GatewayAdmission:
                 reason = admitter.refusal(priority, available, self._rng)
                 if reason is not None:
                     self.controller.stats.count(priority, Outcome.REJECTED_SATURATED)
-                    self._observe(priority, Outcome.REJECTED_SATURATED, 0.0)
+                    self._observe(request, label, Outcome.REJECTED_SATURATED, 0.0)
                     raise _as_error(Rejected(Outcome.REJECTED_SATURATED, reason), 0.0)
         try:
             admission = await self.controller.admit(priority, flow, size, tokens)

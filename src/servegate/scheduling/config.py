@@ -11,6 +11,7 @@ names the plugin or profile, the field, and how to fix it.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 from collections.abc import Mapping
@@ -261,10 +262,13 @@ def _instantiate(
                 + (f" ({hint})" if hint else "")
                 + "; remove it from plugins and from every profile that references it"
             )
-        raise PickerConfigError(
-            f"plugins[{index}]: unknown plugin type {spec.type!r}; known types: "
-            + ", ".join(sorted(registry))
+        close = difflib.get_close_matches(spec.type, list(registry), n=3)
+        hint = (
+            f"did you mean {' or '.join(repr(c) for c in close)}?"
+            if close
+            else f"docs/plugins.md lists the {len(registry)} known types"
         )
+        raise PickerConfigError(f"plugins[{index}]: unknown plugin type {spec.type!r}; {hint}")
     try:
         plugin = factory(name, spec.parameters or {}, ctx)
     except ValueError as exc:

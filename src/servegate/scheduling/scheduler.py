@@ -286,12 +286,14 @@ class Scheduler:
         for point, plugin in timed:
             self.stats.plugins.setdefault((point, plugin.name), PluginTiming(plugin.type))
         self._timings = self.stats.plugins
-        pre = [p for p in self.plugins.values() if isinstance(p, PreRequest)]
+        hooks_pre = [p for p in self.plugins.values() if isinstance(p, PreRequest)]
         # plugins that read what the indexes held before this decision go first
-        self._hooks_pre = sorted(pre, key=lambda p: not getattr(p, "reads_before_records", False))
+        self._hooks_pre = sorted(
+            hooks_pre, key=lambda p: not getattr(p, "reads_before_records", False)
+        )
         self._hooks_complete = [p for p in self.plugins.values() if isinstance(p, ResponseComplete)]
-        for pre in self._hooks_pre:
-            self.stats.hooks.setdefault((PRE_REQUEST, pre.name), PluginTiming(pre.type))
+        for hook in self._hooks_pre:
+            self.stats.hooks.setdefault((PRE_REQUEST, hook.name), PluginTiming(hook.type))
         for done in self._hooks_complete:
             self.stats.hooks.setdefault((RESPONSE_COMPLETE, done.name), PluginTiming(done.type))
 
