@@ -226,8 +226,10 @@ ERRORS = [
         id="unknown-type",
     ),
     pytest.param(
-        HEAD + "plugins:\n- type: latency-scorer\n",
-        ["'latency-scorer' is a known llm-d plugin that servegate does not implement"],
+        HEAD + "plugins:\n- type: approx-prefix-cache-producer\n",
+        [
+            "'approx-prefix-cache-producer' is a known llm-d plugin that servegate does not implement"
+        ],
         id="known-unimplemented-prefix",
     ),
     pytest.param(

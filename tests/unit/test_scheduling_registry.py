@@ -9,6 +9,7 @@ from pydantic import Field
 
 from servegate.scheduling.disagg import DisaggHeadersHandler, PDDecider
 from servegate.scheduling.framework import Filter, Picker, Plugin, ProfileHandler, Scorer
+from servegate.scheduling.latency.plugins import LatencySloAdmitter
 from servegate.scheduling.registry import (
     Parameters,
     PluginContext,
@@ -50,6 +51,11 @@ BUILTIN_TYPES = {
     "always-disagg-pd-decider": PDDecider,
     "disagg-headers-handler": DisaggHeadersHandler,
     "prefill-header-handler": DisaggHeadersHandler,
+    # predicted-latency routing
+    "predicted-latency-producer": Filter,
+    "latency-scorer": Scorer,
+    "slo-headroom-tier-filter": Filter,
+    "latency-slo-admitter": LatencySloAdmitter,
 }
 ALIASES = {
     "kv-cache-scorer": "kv-cache-utilization-scorer",

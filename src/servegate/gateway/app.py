@@ -40,6 +40,7 @@ from servegate.gateway.errors import (
     Unauthorized,
     render,
 )
+from servegate.gateway.latency import Ticket
 from servegate.gateway.logging import AccessLog, AccessRecord
 from servegate.gateway.metrics import GatewayMetrics
 from servegate.gateway.model_routing import RoutingTable
@@ -259,6 +260,7 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
     series = None
     admitted = False
     rt: PoolRuntime | None = None
+    ticket: Ticket | None = None
     try:
         _authorise(gw, request)
         body = await _read_body(gw, request)
@@ -278,14 +280,26 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         if not candidates:
             raise NoEndpoints(f"no ready endpoint serves model `{llm.target_model}`")
         await rt.cache_routing.prepare(llm, candidates)
+        if rt.latency is not None:  # SLO admission (latency-slo-admitter): may wait, or shed
+            pool, base, lora = rt.pool, llm.base_model, llm.lora
+            fresh = await rt.latency.admit(
+                llm, started, candidates, lambda at: pool.candidates(base, at, lora), gw.rng
+            )
+            if fresh is not None:
+                now, candidates = time.monotonic(), fresh
+                if not candidates:
+                    raise NoEndpoints(f"no ready endpoint serves model `{llm.target_model}`")
         t0 = time.perf_counter()
+        cycle = CycleState(now=now, rng=gw.rng)
         try:
-            decision = rt.scheduler.schedule(llm, candidates, CycleState(now=now, rng=gw.rng))
+            decision = rt.scheduler.schedule(llm, candidates, cycle)
         except NoCandidates as exc:
             raise NoEndpoints(
                 f"no endpoint fits the request for model `{llm.target_model}`"
             ) from exc
         gw.metrics.decision.observe(time.perf_counter() - t0)
+        if rt.latency is not None:  # predicted latency into the record; learned at the end
+            ticket = rt.latency.dispatch(llm, decision, record, cycle, started)
         rt.scheduler.pre_request(llm, decision, now)
         extra = {"X-Request-ID": rid, QUEUE_DURATION_HEADER: queue_ms(queued_s)}
         rt.cache_routing.headers(llm, decision, extra)
@@ -293,6 +307,8 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
             result = decision.results.get(decision.profile)
             if result is not None:
                 extra["x-servegate-scores"] = orjson.dumps(result_as_dict(result)).decode()
+            if ticket is not None:
+                ticket.debug(extra)
         assert rt.proxy is not None
         upstream_headers = forward_headers(
             request.headers, rid, strip_authorization=bool(gw.config.gateway.api_keys)
@@ -325,6 +341,8 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         record.error = "client disconnected"
         raise
     finally:
+        if ticket is not None:
+            ticket.done(record, time.monotonic())
         if rt is not None:
             if admitted:
                 rt.admission.completed()

@@ -79,7 +79,6 @@ even, the prefix match decides. No filter: every replica stays a fallback.
 
 KNOWN_UNIMPLEMENTED: dict[str, str] = {
     "pending-tokens-scorer": "token-load-scorer scores the router's in-flight tokens",
-    "latency-scorer": "",
     "context-length-aware": "",
     "by-label": "label-selector-filter with a matchExpressions `In` requirement does the same",
     "approx-prefix-cache-producer": "",

@@ -182,4 +182,21 @@ def builtin_registry() -> dict[str, PluginFactory]:
         disagg.DisaggHeadersHandler.type: disagg.DisaggHeadersHandler.from_config,
         disagg.LEGACY_HEADERS_HANDLER_TYPE: disagg.DisaggHeadersHandler.from_config,
     }
+    registry.update(_latency_plugins())
     return registry
+
+
+# -- predicted-latency routing (scheduling/latency/) --------------------------------------
+def _latency_plugins() -> dict[str, PluginFactory]:
+    """llm-d's predicted-latency plugin types, over the in-process predictor."""
+    from servegate.scheduling.latency import plugins as latency
+
+    return {
+        latency.PredictedLatencyProducer.type: latency.PredictedLatencyProducer.from_config,
+        latency.LatencyScorer.type: latency.LatencyScorer.from_config,
+        latency.SloHeadroomTierFilter.type: latency.SloHeadroomTierFilter.from_config,
+        latency.LatencySloAdmitter.type: latency.LatencySloAdmitter.from_config,
+    }
+
+
+# -- end of predicted-latency routing ------------------------------------------------------
