@@ -4,8 +4,9 @@
     .venv/bin/python bench/latency_slo.py --requests 300 --policy default --policy slo
 
 The same requests at the same arrival times, each policy behind its own in-process
-gateway over its own fresh simulated replicas (one child process each), one after
-the other in one run. Workload (seeded):
+gateway over its own fresh simulated replicas (one child process each), all policies
+at once (so that they share whatever else the machine is doing; `--sequential` runs
+them one after the other). Workload (seeded):
 
 - interactive chats (`--chat-share`): one of a few shared system prompts (~250
   words) + a short question, 48 output tokens, objective `interactive` (priority 0),
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import platform
 import random
 import sys
@@ -169,7 +171,10 @@ def attained(item: Item, result: RequestResult) -> bool:
     return result.ttft_s <= item.ttft_slo_s and tpot <= item.tpot_slo_s
 
 
-async def run_policy(name: str, items: list[Item], args: argparse.Namespace) -> Row:
+async def start_policy(
+    name: str, args: argparse.Namespace, stack: contextlib.AsyncExitStack
+) -> GatewayRunner:
+    """Fresh simulated replicas and a gateway for policy `name`, ready to serve."""
     sim = {
         "model": MODEL,
         "speed": args.speed,
@@ -177,47 +182,70 @@ async def run_policy(name: str, items: list[Item], args: argparse.Namespace) -> 
         "block_size": 16,
         "max_model_len": 8192,
     }
-    overrides = [{"speed": args.speed * args.slow_factor}] if args.slow_factor != 1.0 else None
-    if overrides is not None:
-        overrides += [{}] * (args.replicas - 1)
-    async with (
-        SimClusterProcess(args.replicas, base=sim, overrides=overrides) as sims,
-        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http,
-    ):
-        cfg: dict[str, Any] = {
-            "gateway": {"seed": args.seed, "port": 0},
-            "pool": {
-                "scrape_interval_s": 0.05,
-                "health": {"interval_s": 0.5, "timeout_s": 2.0},
-                "endpoints": [{"url": url} for url in sims.urls],
-            },
-            "flow_control": {
-                "objectives": [
-                    {"name": "interactive", "priority": 0},
-                    {"name": "batch", "priority": -1},
-                ]
-            },
-        }
-        picker = POLICIES[name]
-        if picker is not None:
-            cfg["picker"] = picker
-        async with GatewayRunner(cfg) as gw:
-            pool = gw.gateway.pool
-            deadline = time.monotonic() + 30
-            while pool.ready_count() < args.replicas or pool.resolve_model(MODEL) is None:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the simulated replicas did not become ready")
-                await asyncio.sleep(0.05)
-            start = time.perf_counter()
+    overrides = None
+    if args.slow_factor != 1.0:
+        overrides = [{"speed": args.speed * args.slow_factor}] + [{}] * (args.replicas - 1)
+    sims = await stack.enter_async_context(
+        SimClusterProcess(args.replicas, base=sim, overrides=overrides, startup_timeout=180)
+    )
+    cfg: dict[str, Any] = {
+        "gateway": {"seed": args.seed, "port": 0},
+        "pool": {
+            "scrape_interval_s": 0.05,
+            "health": {"interval_s": 0.5, "timeout_s": 5.0},
+            "endpoints": [{"url": url} for url in sims.urls],
+        },
+        "flow_control": {
+            "objectives": [
+                {"name": "interactive", "priority": 0},
+                {"name": "batch", "priority": -1},
+            ]
+        },
+    }
+    picker = POLICIES[name]
+    if picker is not None:
+        cfg["picker"] = picker
+    gw = await stack.enter_async_context(GatewayRunner(cfg))
+    pool = gw.gateway.pool
+    deadline = time.monotonic() + 120
+    while pool.ready_count() < args.replicas or pool.resolve_model(MODEL) is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the simulated replicas did not become ready")
+        await asyncio.sleep(0.05)
+    return gw
 
-            async def one(item: Item) -> RequestResult:
-                await asyncio.sleep(max(0.0, start + item.at - time.perf_counter()))
-                return await send_request(http, gw.url, item.request, stream=True, ignore_eos=True)
 
-            results = await asyncio.gather(*(one(i) for i in items))
-            wall = time.perf_counter() - start
-            access = gw.access_lines()
-    return Row(name, items, list(results), wall, access)
+async def drive(
+    name: str, gw: GatewayRunner, items: list[Item], http: aiohttp.ClientSession
+) -> Row:
+    start = time.perf_counter()
+
+    async def one(item: Item) -> RequestResult:
+        await asyncio.sleep(max(0.0, start + item.at - time.perf_counter()))
+        return await send_request(http, gw.url, item.request, stream=True, ignore_eos=True)
+
+    results = await asyncio.gather(*(one(i) for i in items))
+    wall = time.perf_counter() - start
+    return Row(name, items, list(results), wall, gw.access_lines())
+
+
+async def run_policies(names: list[str], items: list[Item], args: argparse.Namespace) -> list[Row]:
+    """Every policy at once, all started before the first request; or one after another."""
+    rows: list[Row] = []
+    groups = [[n] for n in names] if args.sequential else [names]
+    for group in groups:
+        async with contextlib.AsyncExitStack() as stack:
+            http = await stack.enter_async_context(
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            )
+            gateways = [await start_policy(n, args, stack) for n in group]
+            done = await asyncio.gather(
+                *(drive(n, gw, items, http) for n, gw in zip(group, gateways, strict=True))
+            )
+            rows.extend(done)
+            for row in done:
+                print(table([row]).splitlines()[-1], flush=True)
+    return rows
 
 
 def mape(access: list[dict[str, Any]]) -> tuple[float | None, float | None, int]:
@@ -325,11 +353,7 @@ def plot(rows: list[Row], parts: int, path: str) -> None:
 
 async def main(args: argparse.Namespace) -> None:
     items = workload(args)
-    rows = []
-    for name in args.policy or ["default", "slo"]:
-        row = await run_policy(name, items, args)
-        rows.append(row)
-        print(table([row]).splitlines()[-1], flush=True)
+    rows = await run_policies(args.policy or ["default", "slo"], items, args)
     print()
     chats = sum(1 for i in items if i.cls == "chat")
     print(
@@ -353,22 +377,27 @@ async def main(args: argparse.Namespace) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--policy", action="append", choices=sorted(POLICIES))
-    p.add_argument("--requests", type=int, default=600)
+    p.add_argument("--requests", type=int, default=400)
     p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--speed", type=float, default=0.25)
+    p.add_argument("--speed", type=float, default=0.05)
     p.add_argument("--slow-factor", type=float, default=1.0)
-    p.add_argument("--rate-start", type=float, default=2.0)
-    p.add_argument("--rate-end", type=float, default=16.0)
+    p.add_argument("--rate-start", type=float, default=0.5)
+    p.add_argument("--rate-end", type=float, default=3.0)
     p.add_argument("--chat-share", type=float, default=0.7)
     p.add_argument("--documents", type=int, default=12)
     p.add_argument("--doc-words", type=int, default=1500)
-    p.add_argument("--chat-ttft-ms", type=int, default=500)
-    p.add_argument("--chat-tpot-ms", type=int, default=50)
+    p.add_argument("--chat-ttft-ms", type=int, default=600)
+    p.add_argument("--chat-tpot-ms", type=int, default=150)
     p.add_argument("--rag-ttft-ms", type=int, default=4000)
-    p.add_argument("--rag-tpot-ms", type=int, default=100)
+    p.add_argument("--rag-tpot-ms", type=int, default=250)
     p.add_argument("--slices", type=int, default=6)
     p.add_argument("--plot", default=None)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="one policy after the other (default: all at once)",
+    )
     return p.parse_args(argv)
 
 

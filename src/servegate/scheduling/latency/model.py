@@ -7,7 +7,10 @@ weight `1/y²`, so a 20 ms miss on a 40 ms TTFT counts as much as a 2 s miss on 
 4 s one). Cold start and thin data are handled by a ridge prior: θ is pulled
 towards `prior` with precision `prior_precision` (per coefficient), so that with no
 data the model predicts the prior and a coefficient the data does not excite stays
-near it instead of drifting. The prior can change between solves (a per-endpoint
+near it instead of drifting. The prior is worth `prior_weight` observations at
+feature values `prior_scale`, measured at the latencies actually observed (the mean
+observation weight), so that "worth k observations" holds whether latencies are
+10 ms or 10 s. The prior can change between solves (a per-endpoint
 model uses the pool-wide model's current θ as its prior: hierarchical shrinkage).
 
 Observations the fit misses badly are down-weighted (Huber on the relative error).
@@ -57,22 +60,33 @@ def solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 class OnlineRegression:
     """Weighted ridge regression over exponentially forgotten sufficient statistics."""
 
-    __slots__ = ("_xtx", "_xty", "effective_n", "forgetting", "precision", "prior", "theta")
+    __slots__ = (
+        "_wsum", "_xtx", "_xty", "effective_n", "forgetting", "prior", "prior_scale",
+        "prior_weight", "theta", "typical",
+    )  # fmt: skip
 
     def __init__(
         self,
         prior: Sequence[float],
-        prior_precision: Sequence[float],
+        prior_scale: Sequence[float],
+        prior_weight: float = 1.0,
         forgetting: float = 0.99,
+        typical: float = 1.0,
     ) -> None:
-        if len(prior) != len(prior_precision):
-            raise ValueError("prior and prior_precision must have the same length")
+        if len(prior) != len(prior_scale):
+            raise ValueError("prior and prior_scale must have the same length")
         if not 0.0 < forgetting <= 1.0:
             raise ValueError("forgetting must be in (0, 1]")
+        if prior_weight <= 0.0 or typical <= 0.0:
+            raise ValueError("prior_weight and typical must be > 0")
         d = len(prior)
         self.prior = list(prior)
-        self.precision = list(prior_precision)
+        self.prior_scale = [x * x for x in prior_scale]
+        self.prior_weight = prior_weight
+        self.typical = typical
+        """The latency the prior's weight is measured at before any observation."""
         self.forgetting = forgetting
+        self._wsum = 0.0
         self.theta = list(prior)
         self.effective_n = 0.0
         """Sum of the forgotten observation counts: how much data the fit rests on."""
@@ -111,6 +125,7 @@ class OnlineRegression:
                 row[j] = lam * row[j] + wxi * x[j]
             xty[i] = lam * xty[i] + wxi * y
         self.effective_n = lam * self.effective_n + 1.0
+        self._wsum = lam * self._wsum + w
         self.refit()
 
     def refit(self, prior: Sequence[float] | None = None) -> None:
@@ -118,12 +133,16 @@ class OnlineRegression:
         if prior is not None:
             self.prior = list(prior)
         d = len(self._xty)
-        precision = self.precision
+        n = self.effective_n
+        mean_w = self._wsum / n if n > 0.0 else 1.0 / self.typical**2
+        k = self.prior_weight * mean_w
+        scale = self.prior_scale
         a = [list(row) for row in self._xtx]
         b = list(self._xty)
         for i in range(d):
-            a[i][i] += precision[i]
-            b[i] += precision[i] * self.prior[i]
+            p = k * scale[i]
+            a[i][i] += p
+            b[i] += p * self.prior[i]
         theta = solve(a, b)
         if theta is not None:
             self.theta = theta

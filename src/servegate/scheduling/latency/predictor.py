@@ -56,10 +56,6 @@ ERROR_DECAY = 0.98
 """Weight of the past in the running mean absolute percentage error (≈ the last 50)."""
 
 
-def _precision(scale: tuple[float, ...], typical_ms: float, weight: float) -> list[float]:
-    return [weight * (s / typical_ms) ** 2 for s in scale]
-
-
 @dataclass(slots=True)
 class Accuracy:
     """Running error of one target on one endpoint."""
@@ -124,7 +120,7 @@ class LatencyPredictor:
         self,
         forgetting: float = 0.995,
         prior_weight: float = 1.0,
-        endpoint_prior_weight: float = 20.0,
+        endpoint_prior_weight: float = 5.0,
     ) -> None:
         self.forgetting = forgetting
         self.prior_weight = prior_weight
@@ -132,13 +128,11 @@ class LatencyPredictor:
         self.endpoint_prior_weight = endpoint_prior_weight
         """How many observations the pool-wide fit is worth as an endpoint model's prior."""
         self.pool_ttft = OnlineRegression(
-            TTFT_PRIOR, _precision(TTFT_SCALE, TTFT_TYPICAL_MS, prior_weight), forgetting
+            TTFT_PRIOR, TTFT_SCALE, prior_weight, forgetting, TTFT_TYPICAL_MS
         )
         self.pool_tpot = OnlineRegression(
-            TPOT_PRIOR, _precision(TPOT_SCALE, TPOT_TYPICAL_MS, prior_weight), forgetting
+            TPOT_PRIOR, TPOT_SCALE, prior_weight, forgetting, TPOT_TYPICAL_MS
         )
-        self._ttft_precision = _precision(TTFT_SCALE, TTFT_TYPICAL_MS, endpoint_prior_weight)
-        self._tpot_precision = _precision(TPOT_SCALE, TPOT_TYPICAL_MS, endpoint_prior_weight)
         self.endpoints: dict[str, EndpointModel] = {}
         self._next_key = 0
 
@@ -147,9 +141,10 @@ class LatencyPredictor:
         """The endpoint's models, created from the pool-wide fit on first use."""
         model = self.endpoints.get(address)
         if model is None:
+            weight, lam = self.endpoint_prior_weight, self.forgetting
             model = EndpointModel(
-                OnlineRegression(self.pool_ttft.theta, self._ttft_precision, self.forgetting),
-                OnlineRegression(self.pool_tpot.theta, self._tpot_precision, self.forgetting),
+                OnlineRegression(self.pool_ttft.theta, TTFT_SCALE, weight, lam, TTFT_TYPICAL_MS),
+                OnlineRegression(self.pool_tpot.theta, TPOT_SCALE, weight, lam, TPOT_TYPICAL_MS),
             )
             self.endpoints[address] = model
         return model
