@@ -95,6 +95,21 @@ SLO_LEAST = {
         }
     ],
 }
+SLO_PREFIX = {
+    **SLO_MOST,
+    "schedulingProfiles": [
+        {
+            "name": "default",
+            "plugins": [
+                {"pluginRef": "predicted-latency-producer"},
+                {"pluginRef": "slo-headroom-tier-filter"},
+                {"pluginRef": "latency-scorer", "weight": 2},
+                {"pluginRef": "prefix-cache-scorer", "weight": 1},
+                {"pluginRef": "max-score-picker"},
+            ],
+        }
+    ],
+}
 LOAD_ONLY = {
     **HEAD,
     "plugins": [
@@ -110,6 +125,7 @@ POLICIES: dict[str, dict[str, Any] | None] = {
     "default": None,
     "slo-least": SLO_LEAST,
     "slo": SLO_MOST,
+    "slo-prefix": SLO_PREFIX,
 }
 """`default` is servegate's default picker config; `slo` the SLO profile of
 docs/latency-routing.md; `slo-least` llm-d's shipped shape (`least`, weighted random)."""
@@ -276,8 +292,8 @@ def table(rows: list[Row]) -> str:
     head = (
         "| policy | SLO attained: chat / RAG / all | goodput (req/s) | "
         "TTFT p50 / p99 chat (ms) | TTFT p50 / p99 RAG (ms) | TTFT p99 all (ms) | "
-        "shed (429) | other errors | predictor MAPE TTFT / TPOT (n) |\n"
-        "|---|---|---|---|---|---|---|---|---|\n"
+        "shed (429) | other errors | prompt tokens cached | predictor MAPE TTFT / TPOT (n) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for row in rows:
@@ -294,12 +310,14 @@ def table(rows: list[Row]) -> str:
         other = sum(1 for r in row.results if not r.ok and r.status != 429)
         m_ttft, m_tpot, n = mape(row.access)
         every = ttft["chat"] + ttft["rag"]
+        prompt = sum(r.prompt_tokens or 0 for r in row.results if r.ok)
+        cached = sum(r.cached_tokens or 0 for r in row.results if r.ok)
         lines.append(
             f"| {row.policy} | {_pct(rate['chat'])} / {_pct(rate['rag'])} / "
             f"{_pct(good / len(pairs))} | {good / row.wall_s:.2f} | "
             f"{_ms(percentile(ttft['chat'], 50))} / {_ms(percentile(ttft['chat'], 99))} | "
             f"{_ms(percentile(ttft['rag'], 50))} / {_ms(percentile(ttft['rag'], 99))} | "
-            f"{_ms(percentile(every, 99))} | {shed} | {other} | "
+            f"{_ms(percentile(every, 99))} | {shed} | {other} | {_pct(cached / max(1, prompt))} | "
             f"{_pct(m_ttft)} / {_pct(m_tpot)} ({n}) |"
         )
     return head + "\n".join(lines)

@@ -97,14 +97,14 @@ class EndpointModel:
         return total
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Features:
     ttft: tuple[float, ...]
     tpot: tuple[float, ...]
     uncached_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Prediction:
     """Predicted engine-side latencies for one request on one endpoint, in milliseconds."""
 
@@ -181,18 +181,27 @@ class LatencyPredictor:
         lora: str | None,
         now: float,
     ) -> Prediction:
+        """Predicted TTFT and TPOT (ms) of the request on `state`; the hot path."""
         f = self.features(state, prompt_tokens, prefix_match, lora, now)
         model = self.endpoints.get(state.endpoint.address)
-        ttft_model = self.pool_ttft
-        tpot_model = self.pool_tpot
+        ttft_theta = self.pool_ttft.theta
+        tpot_theta = self.pool_tpot.theta
         if model is not None:  # an endpoint without observations of its own: the pool's fit
             if model.ttft.effective_n > 0.0:
-                ttft_model = model.ttft
+                ttft_theta = model.ttft.theta
             if model.tpot.effective_n > 0.0:
-                tpot_model = model.tpot
-        return Prediction(
-            max(MIN_MS, ttft_model.predict(f.ttft)), max(MIN_MS, tpot_model.predict(f.tpot)), f
-        )
+                tpot_theta = model.tpot.theta
+        x = f.ttft
+        ttft = (
+            ttft_theta[0] + ttft_theta[1] * x[1] + ttft_theta[2] * x[2] + ttft_theta[3] * x[3]
+            + ttft_theta[4] * x[4] + ttft_theta[5] * x[5] + ttft_theta[6] * x[6]
+        )  # fmt: skip
+        z = f.tpot
+        tpot = (
+            tpot_theta[0] + tpot_theta[1] * z[1] + tpot_theta[2] * z[2] + tpot_theta[3] * z[3]
+            + tpot_theta[4] * z[4]
+        )  # fmt: skip
+        return Prediction(ttft if ttft > MIN_MS else MIN_MS, tpot if tpot > MIN_MS else MIN_MS, f)
 
     # -- writes (the gateway, outside scheduling) ---------------------------------------
     def dispatched(self, address: str, prediction: Prediction, now: float) -> int:
