@@ -264,10 +264,11 @@ async def run_policies(names: list[str], items: list[Item], args: argparse.Names
     return rows
 
 
-def mape(access: list[dict[str, Any]]) -> tuple[float | None, float | None, int]:
-    """Engine-side TTFT and TPOT MAPE over completed streams (and how many)."""
+def mape(access: list[dict[str, Any]]) -> tuple[float | None, float | None, float | None, int]:
+    """Engine-side TTFT MAPE over completed streams (all, and the later half: after
+    warm-up), TPOT MAPE, and how many streams."""
     ttft_err, tpot_err = [], []
-    for line in access:
+    for line in sorted(access, key=lambda line: line["ts"]):
         if line.get("status") != 200 or line.get("predicted_ttft_ms") is None:
             continue
         ttft, pred, disp = line.get("ttft_ms"), line["predicted_ttft_ms"], line["dispatched_ms"]
@@ -276,8 +277,12 @@ def mape(access: list[dict[str, Any]]) -> tuple[float | None, float | None, int]
         tpot, ptpot = line.get("tpot_ms"), line.get("predicted_tpot_ms")
         if tpot and ptpot is not None:
             tpot_err.append(abs(ptpot - tpot) / tpot)
-    avg = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-    return avg(ttft_err), avg(tpot_err), len(ttft_err)
+
+    def avg(xs: list[float]) -> float | None:
+        return sum(xs) / len(xs) if xs else None
+
+    later = ttft_err[len(ttft_err) // 2 :]
+    return avg(ttft_err), avg(later), avg(tpot_err), len(ttft_err)
 
 
 def _ms(value: float | None) -> str:
@@ -292,7 +297,7 @@ def table(rows: list[Row]) -> str:
     head = (
         "| policy | SLO attained: chat / RAG / all | goodput (req/s) | "
         "TTFT p50 / p99 chat (ms) | TTFT p50 / p99 RAG (ms) | TTFT p99 all (ms) | "
-        "shed (429) | other errors | prompt tokens cached | predictor MAPE TTFT / TPOT (n) |\n"
+        "shed (429) | other errors | prompt tokens cached | predictor MAPE TTFT (later half) / TPOT (n) |\n"
         "|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
@@ -308,7 +313,7 @@ def table(rows: list[Row]) -> str:
         ttft = {k: [r.ttft_s for _, r in v if r.ok and r.ttft_s is not None] for k, v in by.items()}
         shed = sum(1 for r in row.results if r.status == 429)
         other = sum(1 for r in row.results if not r.ok and r.status != 429)
-        m_ttft, m_tpot, n = mape(row.access)
+        m_ttft, m_later, m_tpot, n = mape(row.access)
         every = ttft["chat"] + ttft["rag"]
         prompt = sum(r.prompt_tokens or 0 for r in row.results if r.ok)
         cached = sum(r.cached_tokens or 0 for r in row.results if r.ok)
@@ -318,7 +323,7 @@ def table(rows: list[Row]) -> str:
             f"{_ms(percentile(ttft['chat'], 50))} / {_ms(percentile(ttft['chat'], 99))} | "
             f"{_ms(percentile(ttft['rag'], 50))} / {_ms(percentile(ttft['rag'], 99))} | "
             f"{_ms(percentile(every, 99))} | {shed} | {other} | {_pct(cached / max(1, prompt))} | "
-            f"{_pct(m_ttft)} / {_pct(m_tpot)} ({n}) |"
+            f"{_pct(m_ttft)} ({_pct(m_later)}) / {_pct(m_tpot)} ({n}) |"
         )
     return head + "\n".join(lines)
 

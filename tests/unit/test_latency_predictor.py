@@ -78,6 +78,21 @@ def test_backlog_counts_prompts_until_their_prefill_is_expected_done() -> None:
     assert not predictor.endpoints["a:1"].pending
 
 
+def test_backlog_ends_at_the_first_token_when_the_gateway_sees_it() -> None:
+    class Record:
+        ttft_ms: float | None = None
+
+    predictor = LatencyPredictor()
+    s = state("a:1")
+    p = predictor.predict(s, 3000, 0.0, None, now=10.0)
+    record = Record()
+    predictor.dispatched("a:1", p, now=10.0, first_token=record)
+    late = 10.0 + p.ttft_ms / 1000.0 + 5.0  # long after the predicted end of prefill
+    assert predictor.features(s, 100, 0.0, None, now=late).ttft[2] == pytest.approx(3.0)
+    record.ttft_ms = 42.0
+    assert predictor.features(s, 100, 0.0, None, now=10.0).ttft[2] == 0.0
+
+
 def test_the_engine_reported_cache_hit_replaces_the_estimate_when_learning() -> None:
     predictor = LatencyPredictor()
     # the router believes nothing is cached, the engine says 900 of 1000 tokens were

@@ -207,7 +207,7 @@ class LatencyRouting:
         record.dispatched_ms = round(dispatched_ms, 3)
         record.slo_ttft_ms = slo.ttft_ms
         record.slo_tpot_ms = slo.tpot_ms
-        key = self.predictor.dispatched(state.endpoint.address, prediction, cycle.now)
+        key = self.predictor.dispatched(state.endpoint.address, prediction, cycle.now, record)
         return Ticket(
             self, state.endpoint.address, key, prediction, slo, started, dispatched_ms,
             dict(memo) if isinstance(memo, dict) else {},

@@ -13,7 +13,7 @@ Features, all read from what the pool already has (`features`):
 |---|---|
 | 1 (intercept) | — |
 | this request's uncached prompt tokens (prompt × (1 − prefix match)) | 1000 tokens |
-| uncached prompt tokens this gateway sent there whose prefill is not expected done | 1000 tokens |
+| uncached prompt tokens this gateway sent there that have no first token yet | 1000 tokens |
 | requests in flight to the endpoint (this router and its peers) | requests |
 | the engine's waiting requests (scraped) | requests |
 | the engine's KV-cache usage (scraped) | fraction |
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.latency.model import OnlineRegression
@@ -76,23 +77,35 @@ class Accuracy:
         return ape
 
 
+class FirstToken(Protocol):
+    """Something that learns when a request's first token arrived (the access record)."""
+
+    @property
+    def ttft_ms(self) -> float | None: ...
+
+
 @dataclass(slots=True)
 class EndpointModel:
     """One endpoint's models, prompt backlog and accuracy."""
 
     ttft: OnlineRegression
     tpot: OnlineRegression
-    pending: dict[int, tuple[float, int]] = field(default_factory=dict)
-    """Per dispatched request: (when its prefill is expected done, its uncached tokens)."""
+    pending: dict[int, tuple[float, int, FirstToken | None]] = field(default_factory=dict)
+    """Per dispatched request: when its prefill is expected done, its uncached tokens, and
+    what tells when its first token arrived (then its prefill is done, whatever expected)."""
     dispatched: int = 0
     ttft_error: Accuracy = field(default_factory=Accuracy)
     tpot_error: Accuracy = field(default_factory=Accuracy)
 
     def backlog(self, now: float) -> int:
-        """Uncached prompt tokens dispatched here whose prefill is not expected done by `now`."""
+        """Uncached prompt tokens dispatched here whose prefill is not done by `now`: no
+        first token yet when that is known, else not expected done yet."""
         total = 0
-        for done_at, tokens in self.pending.values():
-            if done_at > now:
+        for done_at, tokens, first in self.pending.values():
+            if first is not None:
+                if first.ttft_ms is None:
+                    total += tokens
+            elif done_at > now:
                 total += tokens
         return total
 
@@ -204,13 +217,23 @@ class LatencyPredictor:
         return Prediction(ttft if ttft > MIN_MS else MIN_MS, tpot if tpot > MIN_MS else MIN_MS, f)
 
     # -- writes (the gateway, outside scheduling) ---------------------------------------
-    def dispatched(self, address: str, prediction: Prediction, now: float) -> int:
-        """A request predicted as `prediction` was sent at `now`; the key for `completed`."""
+    def dispatched(
+        self,
+        address: str,
+        prediction: Prediction,
+        now: float,
+        first_token: FirstToken | None = None,
+    ) -> int:
+        """A request predicted as `prediction` was sent at `now`; the key for `completed`.
+
+        `first_token.ttft_ms` turning non-None ends the request's share of the backlog;
+        without it the share ends at the predicted end of its prefill.
+        """
         model = self.model(address)
         self._next_key += 1
         key = self._next_key
         done_at = now + prediction.ttft_ms / 1000.0
-        model.pending[key] = (done_at, prediction.features.uncached_tokens)
+        model.pending[key] = (done_at, prediction.features.uncached_tokens, first_token)
         model.dispatched += 1
         return key
 
