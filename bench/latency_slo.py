@@ -1,7 +1,8 @@
 """SLO-aware routing against the default profile on simulated vLLM replicas (not a test).
 
-    .venv/bin/python bench/latency_slo.py                       # the documented run
-    .venv/bin/python bench/latency_slo.py --requests 300 --policy default --policy slo
+    .venv/bin/python bench/latency_slo.py --plot docs/img/latency-slo.png   # documented run
+    .venv/bin/python bench/latency_slo.py --requests 200 --policy default --policy slo
+    .venv/bin/python bench/latency_slo.py --slow-factor 1 --policy default --policy slo
 
 The same requests at the same arrival times, each policy behind its own in-process
 gateway over its own fresh simulated replicas (one child process each), all policies
@@ -15,7 +16,10 @@ them one after the other). Workload (seeded):
   documents recur: shared prefixes) + a question, 96 output tokens, objective
   `batch` (priority −1: sheddable), looser SLO;
 - arrivals Poisson with the rate rising linearly from `--rate-start` to
-  `--rate-end` requests/s (past the replicas' capacity at the end).
+  `--rate-end` requests/s (past the replicas' capacity at the end);
+- replicas: `--replicas` simulators at `--speed` (slow: the machine these numbers were
+  taken on is shared), one of them `--slow-factor` times as fast (an older GPU in the
+  pool; 1 = a homogeneous pool).
 
 Reported per policy: SLO attainment per class (a request attains its SLO when it
 completed with TTFT and mean inter-token time within both objectives; a shed
@@ -127,6 +131,7 @@ POLICIES: dict[str, dict[str, Any] | None] = {
     "slo": SLO_MOST,
     "slo-prefix": SLO_PREFIX,
 }
+DEFAULT_POLICIES = ("round-robin", "default", "slo-least", "slo")
 """`default` is servegate's default picker config; `slo` the SLO profile of
 docs/latency-routing.md; `slo-least` llm-d's shipped shape (`least`, weighted random)."""
 
@@ -376,7 +381,7 @@ def plot(rows: list[Row], parts: int, path: str) -> None:
 
 async def main(args: argparse.Namespace) -> None:
     items = workload(args)
-    rows = await run_policies(args.policy or ["default", "slo"], items, args)
+    rows = await run_policies(args.policy or list(DEFAULT_POLICIES), items, args)
     print()
     chats = sum(1 for i in items if i.cls == "chat")
     print(
@@ -400,19 +405,19 @@ async def main(args: argparse.Namespace) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--policy", action="append", choices=sorted(POLICIES))
-    p.add_argument("--requests", type=int, default=400)
-    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--speed", type=float, default=0.05)
-    p.add_argument("--slow-factor", type=float, default=1.0)
-    p.add_argument("--rate-start", type=float, default=0.5)
-    p.add_argument("--rate-end", type=float, default=3.0)
+    p.add_argument("--slow-factor", type=float, default=0.4)
+    p.add_argument("--rate-start", type=float, default=0.3)
+    p.add_argument("--rate-end", type=float, default=2.2)
     p.add_argument("--chat-share", type=float, default=0.7)
     p.add_argument("--documents", type=int, default=12)
     p.add_argument("--doc-words", type=int, default=1500)
-    p.add_argument("--chat-ttft-ms", type=int, default=600)
-    p.add_argument("--chat-tpot-ms", type=int, default=150)
-    p.add_argument("--rag-ttft-ms", type=int, default=4000)
-    p.add_argument("--rag-tpot-ms", type=int, default=250)
+    p.add_argument("--chat-ttft-ms", type=int, default=1000)
+    p.add_argument("--chat-tpot-ms", type=int, default=200)
+    p.add_argument("--rag-ttft-ms", type=int, default=5000)
+    p.add_argument("--rag-tpot-ms", type=int, default=300)
     p.add_argument("--slices", type=int, default=6)
     p.add_argument("--plot", default=None)
     p.add_argument("--seed", type=int, default=1)
