@@ -349,7 +349,13 @@ def windows(rows: list[Row], parts: int) -> str:
     return head + "\n".join(lines)
 
 
-def plot(rows: list[Row], parts: int, path: str) -> None:
+def nominal_rate(args: argparse.Namespace, t: float) -> float:
+    """The offered rate the ramp had at time `t` of the run."""
+    duration = args.requests / ((args.rate_start + args.rate_end) / 2)
+    return args.rate_start + (args.rate_end - args.rate_start) * min(1.0, t / duration)
+
+
+def plot(rows: list[Row], parts: int, path: str, args: argparse.Namespace) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -362,16 +368,15 @@ def plot(rows: list[Row], parts: int, path: str) -> None:
         for k in range(parts):
             lo, hi = k * n // parts, (k + 1) * n // parts
             chunk = list(zip(row.items[lo:hi], row.results[lo:hi], strict=True))
-            times = [i.at for i, _ in chunk]
-            xs.append(len(chunk) / max(1e-9, times[-1] - times[0]) if len(times) > 1 else 0.0)
+            xs.append(nominal_rate(args, chunk[len(chunk) // 2][0].at))
             att.append(100 * sum(attained(i, r) for i, r in chunk) / max(1, len(chunk)))
             served = [r.ttft_s for _, r in chunk if r.ok and r.ttft_s is not None]
             p99.append(1000 * (percentile(served, 99) or 0.0))
         left.plot(xs, att, marker="o", label=row.policy)
         right.plot(xs, p99, marker="o", label=row.policy)
-    left.set_xlabel("offered load (req/s, per slice)")
+    left.set_xlabel("offered load (req/s, the ramp at the slice's middle)")
     left.set_ylabel("SLO attained (% of requests sent)")
-    right.set_xlabel("offered load (req/s, per slice)")
+    right.set_xlabel("offered load (req/s, the ramp at the slice's middle)")
     right.set_ylabel("TTFT p99 of served requests (ms)")
     right.set_yscale("log")
     left.legend()
@@ -398,7 +403,7 @@ async def main(args: argparse.Namespace) -> None:
     print()
     print(windows(rows, args.slices))
     if args.plot:
-        plot(rows, args.slices, args.plot)
+        plot(rows, args.slices, args.plot, args)
         print(f"\nplot: {args.plot}")
 
 
