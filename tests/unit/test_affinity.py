@@ -282,11 +282,6 @@ def test_no_hit_lru_finds_its_prefix_scorer(plugins: str, expected: str) -> None
     ("plugins", "problem"),
     [
         pytest.param(
-            "- type: prefix-cache-affinity-filter\n- type: queue-scorer\n",
-            "declare a prefix-cache-scorer, precise-prefix-cache-scorer or a prefix producer",
-            id="none",
-        ),
-        pytest.param(
             "- {type: prefix-cache-scorer, name: a}\n- {type: prefix-cache-scorer, name: b}\n"
             "- type: prefix-cache-affinity-filter\n",
             "say which one with `prefixMatchInfoProducerName`",
@@ -314,3 +309,15 @@ def test_prefix_scorer_mistakes_are_load_errors(plugins: str, problem: str) -> N
 def test_find_prefix_scorer_returns_the_declared_instance() -> None:
     prefix = FixedPrefix({}, name="p")
     assert find_prefix_scorer("x", {"p": prefix}, None, "n") is prefix  # type: ignore[dict-item]
+
+
+def test_the_affinity_filter_alone_keeps_its_own_prefix_index() -> None:
+    """llm-d's predicted-latency guides declare no prefix scorer beside the filter."""
+    scheduler = load_picker_config(
+        HEAD + "plugins:\n- type: prefix-cache-affinity-filter\n- type: queue-scorer\n",
+        PluginContext(),
+    )
+    flt = scheduler.plugins["prefix-cache-affinity-filter"]
+    assert isinstance(flt, PrefixCacheAffinityFilter) and flt.prefix is not None
+    assert any("its own approximate prefix index" in w for w in flt.startup_warnings())
+    assert flt in scheduler._hooks_pre  # it learns what was routed where

@@ -46,15 +46,7 @@ LATENCY_TYPES = (
 Gateway API Inference Extension v1.5 name of `latency-scorer`); files needing them wait
 for it. The coordinator empties `LATENCY` after merging that branch."""
 
-LATENCY: frozenset[str] = frozenset(
-    {
-        "current/router__test_integration_epp_wellknown_configs_test.go__6.yaml",
-        "older/gie__site-src_guides_troubleshooting.md__1.yaml",
-        "older/llmd__guides_predicted-latency_router.values.yaml__0.yaml",
-        "older/sched__chart_epplib_default-plugins_latencypredictor_rendered.yaml",
-        "v0.7/gie150__site-src_guides_troubleshooting.md__1.yaml",
-    }
-)
+LATENCY: frozenset[str] = frozenset()
 
 REFUSED: dict[str, str] = {
     "current/router__test_integration_epp_session_affinity_test.go__pdConfigBase.yaml": (

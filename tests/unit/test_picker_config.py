@@ -228,8 +228,8 @@ ERRORS = [
         id="unknown-type",
     ),
     pytest.param(
-        HEAD + "plugins:\n- type: latency-scorer\n",
-        ["'latency-scorer' is a known llm-d plugin that servegate does not implement"],
+        HEAD + "plugins:\n- type: pending-tokens-scorer\n",
+        ["'pending-tokens-scorer' is a known llm-d plugin that servegate does not implement"],
         id="known-unimplemented-prefix",
     ),
     pytest.param(

@@ -9,6 +9,7 @@ from pydantic import Field
 
 from servegate.scheduling.disagg import DisaggHeadersHandler, PDDecider
 from servegate.scheduling.framework import Filter, Picker, Plugin, ProfileHandler, Scorer
+from servegate.scheduling.latency.plugins import LatencySloAdmitter
 from servegate.scheduling.registry import (
     Parameters,
     PluginContext,
@@ -137,6 +138,12 @@ BUILTIN_TYPES: dict[str, type] = {
     "multicluster-kv-cache-utilization-scorer": Scorer,
     "header-profile-handler": ProfileHandler,
     "always-disagg-multimodal-decider": PDDecider,
+    # predicted-latency routing
+    "predicted-latency-producer": Filter,
+    "latency-scorer": Scorer,
+    "slo-headroom-tier-filter": Filter,
+    "predicted-latency-scorer": Scorer,
+    "latency-slo-admitter": LatencySloAdmitter,
 }
 ALIASES = {
     "kv-cache-scorer": "kv-cache-utilization-scorer",

@@ -57,6 +57,7 @@ from servegate.gateway.headers import (
     subset_of,
     within_subset,
 )
+from servegate.gateway.latency import Ticket
 from servegate.gateway.logging import AccessLog, AccessRecord
 from servegate.gateway.metrics import GatewayMetrics
 from servegate.gateway.model_routing import Routed, RoutingTable
@@ -305,6 +306,7 @@ async def _inference(
     rt: PoolRuntime | None = None
     tenant: Tenant | None = None
     estimated = 0
+    ticket: Ticket | None = None
     try:
         tenant = _authorise(gw, request)
         body = await _read_body(gw, request)
@@ -342,9 +344,19 @@ async def _inference(
         if not candidates:
             raise NoEndpoints(f"no ready endpoint serves model `{llm.target_model}`")
         await rt.cache_routing.prepare(llm, candidates)
+        if rt.latency is not None:  # SLO admission (latency-slo-admitter): may wait, or shed
+            pool, base, lora = rt.pool, llm.base_model, llm.lora
+            fresh = await rt.latency.admit(
+                llm, started, candidates, lambda at: pool.candidates(base, at, lora), gw.rng
+            )
+            if fresh is not None:
+                now, candidates = time.monotonic(), fresh
+                if not candidates:
+                    raise NoEndpoints(f"no ready endpoint serves model `{llm.target_model}`")
         t0 = time.perf_counter()
+        cycle = CycleState(now=now, rng=gw.rng)
         try:
-            decision = rt.scheduler.schedule(llm, candidates, CycleState(now=now, rng=gw.rng))
+            decision = rt.scheduler.schedule(llm, candidates, cycle)
         except NoCandidates as exc:
             gw.metrics.scheduled(llm.target_model, None)
             raise NoEndpoints(
@@ -353,6 +365,8 @@ async def _inference(
         gw.metrics.decision.observe(time.perf_counter() - t0)
         gw.metrics.observe_pick(rt.name, decision)
         gw.metrics.scheduled(llm.target_model, decision.endpoint.address)
+        if rt.latency is not None:  # predicted latency into the record; learned at the end
+            ticket = rt.latency.dispatch(llm, decision, record, cycle, started)
         rt.scheduler.pre_request(llm, decision, now)
         extra = {"X-Request-ID": rid, QUEUE_DURATION_HEADER: queue_ms(queued_s)}
         rt.cache_routing.headers(llm, decision, extra)
@@ -360,6 +374,8 @@ async def _inference(
             result = decision.results.get(decision.profile)
             if result is not None:
                 extra["x-servegate-scores"] = orjson.dumps(result_as_dict(result)).decode()
+            if ticket is not None:
+                ticket.debug(extra)
         assert rt.proxy is not None
         upstream_headers = forward_headers(
             request.headers,
@@ -414,6 +430,8 @@ async def _inference(
     finally:
         if tenant is not None and admitted and record.completion_tokens is not None:
             tenant.settle(estimated, (record.prompt_tokens or 0) + record.completion_tokens)
+        if ticket is not None:
+            ticket.done(record, time.monotonic())
         if rt is not None:
             if admitted:
                 rt.admission.completed()

@@ -54,6 +54,15 @@ class AccessRecord:
     prefill_ms: float | None = None
     prefill_error: str | None = None
     """Why the prefill leg failed and the decode replica prefilled by itself."""
+    predicted_ttft_ms: float | None = None
+    """The latency predictor's TTFT for the chosen endpoint, from arrival (like `ttft_ms`)."""
+    predicted_tpot_ms: float | None = None
+    tpot_ms: float | None = None
+    """Measured time per output token after the first (streams that report usage)."""
+    dispatched_ms: float | None = None
+    """Time from arrival to the scheduling decision (queueing, tokenisation)."""
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
 
 class AccessLog:

@@ -35,6 +35,7 @@ from servegate.gateway.admission import GatewayAdmission, build_admission
 from servegate.gateway.cache_routing import CacheRouting, build_cache_routing
 from servegate.gateway.chat_template import ChatTemplateError
 from servegate.gateway.disagg import Disaggregator, build_disaggregator
+from servegate.gateway.latency import LatencyRouting
 from servegate.gateway.metrics import GatewayMetrics, PluginDurationCollector, with_aliases
 from servegate.gateway.proxy import Proxy
 from servegate.gateway.retry import RetryBudget
@@ -42,6 +43,8 @@ from servegate.gateway.triton import TritonTranslator
 from servegate.pool.discovery import Discovery, start_discovery
 from servegate.pool.pool import Pool
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
+from servegate.scheduling.latency.predictor import SERVICE_KEY as LATENCY_SERVICE
+from servegate.scheduling.latency.predictor import LatencyPredictor
 from servegate.scheduling.prefix.tokenize import TokenizerError
 from servegate.scheduling.registry import PluginContext
 from servegate.scheduling.scheduler import Scheduler
@@ -63,6 +66,8 @@ class PoolState:
     datalayer: DataLayer | None = None
     discovery: Discovery | None = None
     started: bool = False
+    latency: LatencyPredictor = field(default_factory=LatencyPredictor)
+    """The pool's latency predictor: learned state that survives picker reloads."""
 
     def same_as(self, settings: PoolSettings, outlier: OutlierDetectionSettings) -> bool:
         return self.settings == settings and self.outlier_settings == outlier
@@ -121,7 +126,10 @@ def build_pool_state(
     detector = OutlierDetector(
         pool, outlier, on_eject=lambda state, _s: metrics.ejections.labels(state.address).inc()
     )
-    return PoolState(settings, outlier, pool, engines, detector)
+    state = PoolState(settings, outlier, pool, engines, detector)
+    predictor = state.latency
+    pool.subscribe(lambda event, s: predictor.forget([s.address]) if event == "removed" else None)
+    return state
 
 
 @dataclass(slots=True, eq=False)
@@ -139,6 +147,7 @@ class PoolRuntime:
     triton: TritonTranslator | None = None
     proxy: Proxy | None = None
     disagg: Disaggregator | None = None
+    latency: LatencyRouting | None = None
     in_flight: int = 0
     started: bool = False
     _idle: asyncio.Event | None = field(default=None, repr=False)
@@ -222,7 +231,10 @@ def build_runtime(
         state = build_pool_state(settings, config.outlier_detection, metrics)
     scheduler = load_picker_config(
         picker_doc if picker_doc is not None else DEFAULT_PICKER_CONFIG,
-        PluginContext(staleness_s=settings.metrics_staleness_s),
+        PluginContext(
+            staleness_s=settings.metrics_staleness_s,
+            services={LATENCY_SERVICE: state.latency},
+        ),
     )
     try:
         triton = TritonTranslator.from_pool(settings, config_dir)
@@ -245,6 +257,7 @@ def build_runtime(
         picker_doc=picker_doc,
         registry=registry,
         key=_runtime_key(config, entry, picker_doc),
+        latency=LatencyRouting(state.latency, scheduler.plugins, registry),
     )
 
 

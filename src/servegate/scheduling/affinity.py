@@ -26,7 +26,7 @@ import base64
 import binascii
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Literal, Protocol, Self, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, Self, runtime_checkable
 
 from pydantic import Field, model_validator
 
@@ -34,6 +34,9 @@ from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.framework import CycleState, Decision, Plugin, Scorer
 from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
 from servegate.scheduling.request import LLMRequest
+
+if TYPE_CHECKING:
+    from servegate.scheduling.prefix.approx import PrefixCacheScorer
 
 PREFIX_SCORER_TYPES = ("prefix-cache-scorer", "precise-prefix-cache-scorer")
 PREFIX_PRODUCER_TYPES = ("approx-prefix-cache-producer", "precise-prefix-cache-producer")
@@ -157,6 +160,7 @@ class PrefixCacheAffinityFilter:
         self.name = name
         self.params = params
         self.prefix: Scorer | None = None
+        self._own: PrefixCacheScorer | None = None
         self.decisions: dict[str, int] = {}
         """Outcomes: not-applicable, exploration, no-match, load-override,
         request-load-override, sticky."""
@@ -166,20 +170,41 @@ class PrefixCacheAffinityFilter:
         return cls(name, decode_parameters(AffinityFilterParameters, cls.type, name, parameters))
 
     def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
-        self.prefix = find_prefix_scorer(
-            self.type,
-            plugins,
-            self.params.prefix_match_info_producer_name,
-            "prefixMatchInfoProducerName",
-        )
+        named = self.params.prefix_match_info_producer_name
+        if named is None and not any(
+            p.type in PREFIX_SCORER_TYPES or _producer_source(p) is not None
+            for p in plugins.values()
+        ):
+            # Nothing declared produces a prefix match (llm-d's predicted-latency guides
+            # pair this filter with the latency producer alone): keep an approximate index
+            # of its own, fed by this filter's pre_request hook.
+            from servegate.scheduling.prefix.approx import ApproxPrefixParameters, PrefixCacheScorer
+
+            self._own = PrefixCacheScorer(f"{self.name}/prefix", ApproxPrefixParameters())
+            self.prefix = self._own
+            return
+        self.prefix = find_prefix_scorer(self.type, plugins, named, "prefixMatchInfoProducerName")
+
+    def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None:
+        if self._own is not None:
+            self._own.pre_request(request, decision, now)
 
     def startup_warnings(self) -> list[str]:
+        own = (
+            [
+                f"plugin {self.name!r} (type {self.type!r}): no prefix scorer or producer is "
+                "declared; it keeps its own approximate prefix index (what was routed where)"
+            ]
+            if self._own is not None
+            else []
+        )
         if self.params.ttft_source != "latencyPredictor":
-            return []
+            return own
         return [
+            *own,
             f"plugin {self.name!r} (type {self.type!r}): ttftSource latencyPredictor needs a "
             "latency predictor, which servegate does not have yet; the TTFT gate uses the "
-            "prefill-throughput estimate (in-flight tokens / peakPrefillThroughput) instead"
+            "prefill-throughput estimate (in-flight tokens / peakPrefillThroughput) instead",
         ]
 
     def _count(self, outcome: str) -> None:

@@ -94,7 +94,6 @@ even, the prefix match decides. No filter: every replica stays a fallback.
 """
 
 KNOWN_UNIMPLEMENTED: dict[str, str] = {
-    "latency-scorer": "",
     "pending-tokens-scorer": "token-load-scorer scores the router's in-flight tokens",
     "precise-prefix-based-pd-decider": (
         "prefix-based-pd-decider reads precise-prefix-cache-scorer's tier-weighted match"

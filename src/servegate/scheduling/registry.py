@@ -183,6 +183,7 @@ def builtin_registry() -> dict[str, PluginFactory]:
         disagg.LEGACY_HEADERS_HANDLER_TYPE: disagg.DisaggHeadersHandler.from_config,
     }
     registry.update(_llmd_router_types())
+    registry.update(_latency_plugins())
     return registry
 
 
@@ -235,3 +236,20 @@ def _llmd_router_types() -> dict[str, PluginFactory]:
         for cls in family:
             out[cls.type] = cls.from_config
     return out
+
+
+# -- predicted-latency routing (scheduling/latency/) --------------------------------------
+def _latency_plugins() -> dict[str, PluginFactory]:
+    """llm-d's predicted-latency plugin types, over the in-process predictor."""
+    from servegate.scheduling.latency import plugins as latency
+
+    return {
+        latency.PredictedLatencyProducer.type: latency.PredictedLatencyProducer.from_config,
+        latency.LatencyScorer.type: latency.LatencyScorer.from_config,
+        latency.PredictedLatencyScorer.type: latency.PredictedLatencyScorer.from_config,
+        latency.SloHeadroomTierFilter.type: latency.SloHeadroomTierFilter.from_config,
+        latency.LatencySloAdmitter.type: latency.LatencySloAdmitter.from_config,
+    }
+
+
+# -- end of predicted-latency routing ------------------------------------------------------

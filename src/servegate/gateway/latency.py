@@ -1,0 +1,265 @@
+"""The gateway's side of predicted-latency routing: SLO admission, dispatch, learning.
+
+Three calls from the request path (`app.py`), none inside the pure scheduling call:
+
+- `admit` (before scheduling): when the picker config declares `latency-slo-admitter`,
+  a sheddable request no candidate can serve within its SLO waits (up to the
+  admitter's `queueTimeoutMs`) or is shed with 429 `rejected-slo`.
+- `dispatch` (after the decision, before the prefix indexes learn it): the chosen
+  endpoint's predicted TTFT/TPOT go into the access record (and the debug header),
+  its in-flight prompt backlog grows; returns a `Ticket`.
+- `Ticket.done` (when the request ends, whatever the outcome): the backlog shrinks
+  and a completed stream teaches the predictor its TTFT (from dispatch to the first
+  byte) and TPOT (the rest of the stream over the remaining completion tokens).
+
+Accuracy and SLO outcomes are exported from the runtime's registry (`_Collector`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import orjson
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from servegate.gateway.errors import Dropped
+from servegate.gateway.logging import AccessRecord
+from servegate.pool.endpoint import EndpointState
+from servegate.scheduling.framework import CycleState, Decision, Plugin
+from servegate.scheduling.latency.plugins import (
+    ARRIVED_KEY,
+    PREDICTIONS_KEY,
+    LatencySloAdmitter,
+    find_source,
+    request_slo,
+)
+from servegate.scheduling.latency.predictor import LatencyPredictor, Prediction
+from servegate.scheduling.latency.slo import Slo
+from servegate.scheduling.request import LLMRequest
+
+QUEUE_POLL_S = 0.02
+"""How often a request held by the admitter looks again."""
+DEBUG_HEADER = "x-servegate-latency"
+
+
+class SloUnattainable(Dropped):
+    status = 429
+    type = "rate_limit_error"
+    code = "rejected-slo"
+    reason = "rejected-slo"
+
+
+class Ticket:
+    """One dispatched request's prediction, settled once by `done`."""
+
+    __slots__ = (
+        "_done", "address", "dispatched_ms", "key", "owner", "prediction", "predictions", "slo",
+        "started",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        owner: LatencyRouting,
+        address: str,
+        key: int,
+        prediction: Prediction,
+        slo: Slo,
+        started: float,
+        dispatched_ms: float,
+        predictions: Mapping[str, Prediction],
+    ) -> None:
+        self.owner = owner
+        self.address = address
+        self.key = key
+        self.prediction = prediction
+        self.slo = slo
+        self.started = started
+        self.dispatched_ms = dispatched_ms
+        self.predictions = predictions
+        self._done = False
+
+    def debug(self, headers: dict[str, str]) -> None:
+        """Add the debug header: every scored candidate's predictions and the chosen one's."""
+        body: dict[str, Any] = {
+            "endpoint": self.address,
+            "predicted_ttft_ms": round(self.dispatched_ms + self.prediction.ttft_ms, 3),
+            "predicted_tpot_ms": round(self.prediction.tpot_ms, 3),
+            "slo_ttft_ms": self.slo.ttft_ms,
+            "slo_tpot_ms": self.slo.tpot_ms,
+            "candidates": {
+                a: {"ttft_ms": round(p.ttft_ms, 3), "tpot_ms": round(p.tpot_ms, 3)}
+                for a, p in self.predictions.items()
+            },
+        }
+        headers[DEBUG_HEADER] = orjson.dumps(body).decode()
+
+    def done(self, record: AccessRecord, now: float) -> None:
+        """The request ended: release its backlog and learn what it showed."""
+        if self._done:
+            return
+        self._done = True
+        ttft: float | None = None
+        tpot: float | None = None
+        served_here = record.endpoint == self.address
+        ok = record.status == 200 and record.error is None
+        if ok and record.ttft_ms is not None:
+            total_ms = (now - self.started) * 1000.0
+            tokens = record.completion_tokens
+            if record.stream and tokens is not None and tokens > 1:
+                tpot = max(0.0, total_ms - record.ttft_ms) / (tokens - 1)
+                record.tpot_ms = tpot
+            if record.stream:
+                ttft = max(0.0, record.ttft_ms - self.dispatched_ms)
+        learn = ok and served_here and record.prefill_endpoint is None
+        uncached = None
+        if record.prompt_tokens is not None and record.cached_tokens is not None:
+            uncached = max(0, record.prompt_tokens - record.cached_tokens)
+        self.owner.predictor.completed(
+            self.address,
+            self.key,
+            self.prediction,
+            ttft if learn else None,
+            tpot if learn else None,
+            uncached,
+        )
+        self.owner.count_slo(self.slo, record.ttft_ms if ok else None, tpot if ok else None)
+
+
+class LatencyRouting:
+    """The predictor, how plugins read it, and the optional admitter, for one runtime."""
+
+    def __init__(
+        self,
+        predictor: LatencyPredictor,
+        plugins: Mapping[str, Plugin],
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.predictor = predictor
+        self.source = find_source(plugins, predictor)
+        self.admitter = next(
+            (p for p in plugins.values() if isinstance(p, LatencySloAdmitter)), None
+        )
+        self.shed = 0
+        self.admitted_after_wait = 0
+        self.slo_outcomes: Counter[tuple[str, str]] = Counter()
+        if registry is not None:
+            registry.register(_Collector(self))
+
+    async def admit(
+        self,
+        request: LLMRequest,
+        started: float,
+        candidates: list[EndpointState],
+        refresh: Callable[[float], list[EndpointState]],
+        rng: random.Random,
+    ) -> list[EndpointState] | None:
+        """Hold or shed a sheddable request that no candidate can serve within its SLO.
+
+        Raises `SloUnattainable` (429) once `queueTimeoutMs` has passed without an
+        endpoint that can; returns None when admitted at once, else the candidates
+        current when it was admitted after waiting.
+        """
+        request.cache[ARRIVED_KEY] = started
+        admitter = self.admitter
+        if admitter is None:
+            return None
+        now = time.monotonic()
+        verdict = admitter.check(CycleState(now=now, rng=rng), request, candidates)
+        if verdict.admitted:
+            return None
+        deadline = now + admitter.queue_timeout_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(QUEUE_POLL_S)
+            request.cache.pop(PREDICTIONS_KEY, None)
+            now = time.monotonic()
+            candidates = refresh(now)
+            verdict = admitter.check(CycleState(now=now, rng=rng), request, candidates)
+            if verdict.admitted:
+                self.admitted_after_wait += 1
+                request.cache.pop(PREDICTIONS_KEY, None)
+                return candidates
+        self.shed += 1
+        raise SloUnattainable(verdict.reason)
+
+    def dispatch(
+        self,
+        request: LLMRequest,
+        decision: Decision,
+        record: AccessRecord,
+        cycle: CycleState,
+        started: float,
+    ) -> Ticket:
+        """Note the chosen endpoint's prediction (call before the prefix indexes learn it)."""
+        state = decision.endpoint
+        prediction = self.source.predictions(cycle, request, [state])[0]
+        memo = request.cache.get(PREDICTIONS_KEY)
+        slo = request_slo(request)
+        dispatched_ms = max(0.0, (cycle.now - started) * 1000.0)
+        record.predicted_ttft_ms = round(dispatched_ms + prediction.ttft_ms, 3)
+        record.predicted_tpot_ms = round(prediction.tpot_ms, 3)
+        record.dispatched_ms = round(dispatched_ms, 3)
+        record.slo_ttft_ms = slo.ttft_ms
+        record.slo_tpot_ms = slo.tpot_ms
+        key = self.predictor.dispatched(state.endpoint.address, prediction, cycle.now, record)
+        return Ticket(
+            self, state.endpoint.address, key, prediction, slo, started, dispatched_ms,
+            dict(memo) if isinstance(memo, dict) else {},
+        )  # fmt: skip
+
+    def count_slo(self, slo: Slo, ttft_ms: float | None, tpot_ms: float | None) -> None:
+        if slo.ttft_ms is not None:
+            met = ttft_ms is not None and ttft_ms <= slo.ttft_ms
+            self.slo_outcomes["ttft", "met" if met else "missed"] += 1
+        if slo.tpot_ms is not None and tpot_ms is not None:
+            self.slo_outcomes["tpot", "met" if tpot_ms <= slo.tpot_ms else "missed"] += 1
+
+
+class _Collector(Collector):
+    def __init__(self, routing: LatencyRouting) -> None:
+        self._routing = routing
+
+    def collect(self) -> Iterable[Metric]:
+        routing = self._routing
+        mape = GaugeMetricFamily(
+            "servegate_latency_prediction_error_ratio",
+            "Predictor error per endpoint: exponentially weighted mean absolute percentage "
+            "error (fraction) over about the last 50 observations.",
+            labels=["endpoint", "target"],
+        )
+        observations = CounterMetricFamily(
+            "servegate_latency_prediction_observations",
+            "Completed streams the predictor learned from, per endpoint.",
+            labels=["endpoint", "target"],
+        )
+        backlog = GaugeMetricFamily(
+            "servegate_latency_backlog_tokens",
+            "Uncached prompt tokens sent per endpoint whose prefill is not expected done yet.",
+            labels=["endpoint"],
+        )
+        now = time.monotonic()
+        for address, model in sorted(routing.predictor.endpoints.items()):
+            for target, acc in (("ttft", model.ttft_error), ("tpot", model.tpot_error)):
+                if acc.observations:
+                    mape.add_metric([address, target], acc.mape)
+                observations.add_metric([address, target], acc.observations)
+            backlog.add_metric([address], model.backlog(now))
+        slo = CounterMetricFamily(
+            "servegate_latency_slo_requests",
+            "Requests with an SLO header by dimension and outcome (met, missed).",
+            labels=["target", "outcome"],
+        )
+        for (target, outcome), count in sorted(routing.slo_outcomes.items()):
+            slo.add_metric([target, outcome], count)
+        shed = CounterMetricFamily(
+            "servegate_latency_slo_shed",
+            "Sheddable requests latency-slo-admitter turned away (429 rejected-slo).",
+        )
+        shed.add_metric([], routing.shed)
+        yield from (mape, observations, backlog, slo, shed)

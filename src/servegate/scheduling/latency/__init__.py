@@ -1,0 +1,1 @@
+"""Latency- and SLO-aware routing: an online per-endpoint predictor and llm-d's plugins."""

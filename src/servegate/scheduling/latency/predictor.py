@@ -1,0 +1,282 @@
+"""The in-process latency predictor: per-endpoint TTFT and TPOT models learned online.
+
+One `LatencyPredictor` per pool, owned by the pool's live state (it outlives picker
+reloads) and handed to plugins as the shared service `latency-predictor`. The
+scheduler only reads it (`predict`); the gateway writes it, outside the scheduling
+call: `dispatched` when a request is sent (the endpoint's prompt backlog grows),
+`completed` when it ends (the backlog shrinks and, for a stream that produced
+tokens, the TTFT and TPOT it showed are learned).
+
+Features, all read from what the pool already has (`features`):
+
+| TTFT feature | unit |
+|---|---|
+| 1 (intercept) | — |
+| this request's uncached prompt tokens (prompt × (1 − prefix match)) | 1000 tokens |
+| uncached prompt tokens this gateway sent there that have no first token yet | 1000 tokens |
+| requests in flight to the endpoint (this router and its peers) | requests |
+| the engine's waiting requests (scraped) | requests |
+| the engine's KV-cache usage (scraped) | fraction |
+| LoRA adapter requested but not running there | 0/1 |
+
+TPOT uses the intercept, in-flight requests, KV usage, in-flight uncached prompt
+tokens and waiting requests. Each endpoint has its own pair of models
+(`OnlineRegression`), whose prior is the pool-wide pair's current fit, which
+learns from every endpoint's observations; the pool-wide pair's prior is fixed
+(`TTFT_PRIOR`, `TPOT_PRIOR`). A new endpoint therefore starts from what the
+others taught, and an endpoint that differs moves away as its own data arrives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from servegate.pool.endpoint import EndpointState
+from servegate.scheduling.latency.model import OnlineRegression
+
+SERVICE_KEY = "latency-predictor"
+"""`PluginContext.services` key of the pool's `LatencyPredictor`."""
+
+TTFT_FEATURES = ("intercept", "uncached_ktokens", "backlog_ktokens", "in_flight", "waiting",
+                 "kv_usage", "lora_miss")  # fmt: skip
+TPOT_FEATURES = ("intercept", "in_flight", "kv_usage", "backlog_ktokens", "waiting")
+
+TTFT_PRIOR = (15.0, 40.0, 40.0, 2.0, 10.0, 0.0, 20.0)
+"""Milliseconds per unit of each TTFT feature before any observation."""
+TTFT_SCALE = (1.0, 0.5, 1.0, 4.0, 1.0, 0.3, 0.2)
+"""Typical feature values: the prior counts as one observation of this size."""
+TTFT_TYPICAL_MS = 100.0
+TPOT_PRIOR = (8.0, 0.3, 0.0, 1.0, 0.0)
+TPOT_SCALE = (1.0, 4.0, 0.3, 1.0, 1.0)
+TPOT_TYPICAL_MS = 10.0
+MIN_MS = 0.1
+"""Predictions are never below this (a linear fit can go negative far from its data)."""
+ERROR_DECAY = 0.98
+"""Weight of the past in the running mean absolute percentage error (≈ the last 50)."""
+
+
+@dataclass(slots=True)
+class Accuracy:
+    """Running error of one target on one endpoint."""
+
+    observations: int = 0
+    mape: float = 0.0
+    """Exponentially weighted mean absolute percentage error, as a fraction."""
+    abs_pct_sum: float = 0.0
+    """Sum of every absolute percentage error (with `observations`: the plain MAPE)."""
+
+    def add(self, predicted: float, actual: float) -> float:
+        ape = abs(predicted - actual) / max(actual, MIN_MS)
+        self.abs_pct_sum += ape
+        self.mape = (
+            ape if self.observations == 0 else (ERROR_DECAY * self.mape + (1.0 - ERROR_DECAY) * ape)
+        )
+        self.observations += 1
+        return ape
+
+
+class FirstToken(Protocol):
+    """Something that learns when a request's first token arrived (the access record)."""
+
+    @property
+    def ttft_ms(self) -> float | None: ...
+
+
+@dataclass(slots=True)
+class EndpointModel:
+    """One endpoint's models, prompt backlog and accuracy."""
+
+    ttft: OnlineRegression
+    tpot: OnlineRegression
+    pending: dict[int, tuple[float, int, FirstToken | None]] = field(default_factory=dict)
+    """Per dispatched request: when its prefill is expected done, its uncached tokens, and
+    what tells when its first token arrived (then its prefill is done, whatever expected)."""
+    dispatched: int = 0
+    ttft_error: Accuracy = field(default_factory=Accuracy)
+    tpot_error: Accuracy = field(default_factory=Accuracy)
+
+    def backlog(self, now: float) -> int:
+        """Uncached prompt tokens dispatched here whose prefill is not done by `now`: no
+        first token yet when that is known, else not expected done yet."""
+        total = 0
+        for done_at, tokens, first in self.pending.values():
+            if first is not None:
+                if first.ttft_ms is None:
+                    total += tokens
+            elif done_at > now:
+                total += tokens
+        return total
+
+
+@dataclass(slots=True)
+class Features:
+    ttft: tuple[float, ...]
+    tpot: tuple[float, ...]
+    uncached_tokens: int
+
+
+@dataclass(slots=True)
+class Prediction:
+    """Predicted engine-side latencies for one request on one endpoint, in milliseconds."""
+
+    ttft_ms: float
+    tpot_ms: float
+    features: Features
+
+
+class LatencyPredictor:
+    """Per-endpoint online TTFT/TPOT models for one pool (see the module docstring)."""
+
+    def __init__(
+        self,
+        forgetting: float = 0.995,
+        prior_weight: float = 1.0,
+        endpoint_prior_weight: float = 5.0,
+    ) -> None:
+        self.forgetting = forgetting
+        self.prior_weight = prior_weight
+        """How many observations the fixed prior of the pool-wide models is worth."""
+        self.endpoint_prior_weight = endpoint_prior_weight
+        """How many observations the pool-wide fit is worth as an endpoint model's prior."""
+        self.pool_ttft = OnlineRegression(
+            TTFT_PRIOR, TTFT_SCALE, prior_weight, forgetting, TTFT_TYPICAL_MS
+        )
+        self.pool_tpot = OnlineRegression(
+            TPOT_PRIOR, TPOT_SCALE, prior_weight, forgetting, TPOT_TYPICAL_MS
+        )
+        self.endpoints: dict[str, EndpointModel] = {}
+        self._next_key = 0
+
+    # -- reads (the scheduler) ---------------------------------------------------------
+    def model(self, address: str) -> EndpointModel:
+        """The endpoint's models, created from the pool-wide fit on first use."""
+        model = self.endpoints.get(address)
+        if model is None:
+            weight, lam = self.endpoint_prior_weight, self.forgetting
+            model = EndpointModel(
+                OnlineRegression(self.pool_ttft.theta, TTFT_SCALE, weight, lam, TTFT_TYPICAL_MS),
+                OnlineRegression(self.pool_tpot.theta, TPOT_SCALE, weight, lam, TPOT_TYPICAL_MS),
+            )
+            self.endpoints[address] = model
+        return model
+
+    def features(
+        self,
+        state: EndpointState,
+        prompt_tokens: int,
+        prefix_match: float,
+        lora: str | None,
+        now: float,
+    ) -> Features:
+        """The feature vectors of a request of `prompt_tokens` on `state` at `now`."""
+        uncached = int(prompt_tokens * (1.0 - min(1.0, max(0.0, prefix_match))))
+        model = self.endpoints.get(state.endpoint.address)
+        backlog = (model.backlog(now) if model is not None else 0) / 1000.0
+        m = state.metrics
+        in_flight = float(state.in_flight_requests)
+        lora_miss = 0.0
+        if lora is not None:
+            info = m.lora
+            lora_miss = 0.0 if info is not None and lora in info.running else 1.0
+        return Features(
+            (1.0, uncached / 1000.0, backlog, in_flight, m.waiting, m.kv_usage, lora_miss),
+            (1.0, in_flight, m.kv_usage, backlog, m.waiting),
+            uncached,
+        )
+
+    def predict(
+        self,
+        state: EndpointState,
+        prompt_tokens: int,
+        prefix_match: float,
+        lora: str | None,
+        now: float,
+    ) -> Prediction:
+        """Predicted TTFT and TPOT (ms) of the request on `state`; the hot path."""
+        f = self.features(state, prompt_tokens, prefix_match, lora, now)
+        model = self.endpoints.get(state.endpoint.address)
+        ttft_theta = self.pool_ttft.theta
+        tpot_theta = self.pool_tpot.theta
+        if model is not None:  # an endpoint without observations of its own: the pool's fit
+            if model.ttft.effective_n > 0.0:
+                ttft_theta = model.ttft.theta
+            if model.tpot.effective_n > 0.0:
+                tpot_theta = model.tpot.theta
+        x = f.ttft
+        ttft = (
+            ttft_theta[0] + ttft_theta[1] * x[1] + ttft_theta[2] * x[2] + ttft_theta[3] * x[3]
+            + ttft_theta[4] * x[4] + ttft_theta[5] * x[5] + ttft_theta[6] * x[6]
+        )  # fmt: skip
+        z = f.tpot
+        tpot = (
+            tpot_theta[0] + tpot_theta[1] * z[1] + tpot_theta[2] * z[2] + tpot_theta[3] * z[3]
+            + tpot_theta[4] * z[4]
+        )  # fmt: skip
+        return Prediction(ttft if ttft > MIN_MS else MIN_MS, tpot if tpot > MIN_MS else MIN_MS, f)
+
+    # -- writes (the gateway, outside scheduling) ---------------------------------------
+    def dispatched(
+        self,
+        address: str,
+        prediction: Prediction,
+        now: float,
+        first_token: FirstToken | None = None,
+    ) -> int:
+        """A request predicted as `prediction` was sent at `now`; the key for `completed`.
+
+        `first_token.ttft_ms` turning non-None ends the request's share of the backlog;
+        without it the share ends at the predicted end of its prefill.
+        """
+        model = self.model(address)
+        self._next_key += 1
+        key = self._next_key
+        done_at = now + prediction.ttft_ms / 1000.0
+        model.pending[key] = (done_at, prediction.features.uncached_tokens, first_token)
+        model.dispatched += 1
+        return key
+
+    def completed(
+        self,
+        address: str,
+        key: int,
+        prediction: Prediction,
+        ttft_ms: float | None,
+        tpot_ms: float | None,
+        uncached_tokens: int | None = None,
+    ) -> None:
+        """The request ended; learn the TTFT and TPOT it showed (None: not seen).
+
+        `uncached_tokens`, when the engine reported its cached tokens, replaces the
+        estimate in the learned TTFT features, so the fit learns what prefill cost, not
+        how wrong the prefix estimate was.
+        """
+        model = self.model(address)
+        model.pending.pop(key, None)
+        f = prediction.features
+        if ttft_ms is not None and ttft_ms > 0.0:
+            model.ttft_error.add(prediction.ttft_ms, ttft_ms)
+            x = f.ttft
+            if uncached_tokens is not None:
+                x = (x[0], uncached_tokens / 1000.0, *x[2:])
+            self.pool_ttft.observe(x, ttft_ms)
+            model.ttft.observe(x, ttft_ms)
+        if tpot_ms is not None and tpot_ms > 0.0:
+            model.tpot_error.add(prediction.tpot_ms, tpot_ms)
+            self.pool_tpot.observe(f.tpot, tpot_ms)
+            model.tpot.observe(f.tpot, tpot_ms)
+        if ttft_ms is not None or tpot_ms is not None:
+            self._reprior()
+
+    def _reprior(self) -> None:
+        """Point every endpoint's models at the pool-wide fit as their prior."""
+        ttft, tpot = self.pool_ttft.theta, self.pool_tpot.theta
+        for model in self.endpoints.values():
+            model.ttft.prior = ttft
+            model.tpot.prior = tpot
+
+    def forget(self, addresses: Iterable[str]) -> None:
+        """Drop endpoints that left the pool."""
+        for address in addresses:
+            self.endpoints.pop(address, None)

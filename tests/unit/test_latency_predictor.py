@@ -1,0 +1,137 @@
+"""The per-endpoint latency predictor: features, cold start, learning, backlog, accuracy."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from servegate.pool.endpoint import Endpoint, EndpointMetrics, EndpointState, LoraInfo
+from servegate.scheduling.latency.predictor import TTFT_PRIOR, LatencyPredictor
+
+
+def state(address: str, in_flight: int = 0, waiting: float = 0.0, kv: float = 0.0) -> EndpointState:
+    s = EndpointState(Endpoint(address=address, url=f"http://{address}"))
+    s.in_flight_requests = in_flight
+    s.metrics = EndpointMetrics(waiting=waiting, kv_usage=kv, scraped_at=1.0)
+    return s
+
+
+def test_features_read_the_prompt_match_load_and_lora() -> None:
+    predictor = LatencyPredictor()
+    s = state("a:1", in_flight=3, waiting=2, kv=0.4)
+    f = predictor.features(s, 2000, 0.75, None, now=0.0)
+    assert f.uncached_tokens == 500
+    assert f.ttft == (1.0, 0.5, 0.0, 3.0, 2.0, 0.4, 0.0)
+    assert f.tpot == (1.0, 3.0, 0.4, 0.0, 2.0)
+    assert predictor.features(s, 2000, 0.0, "ad", now=0.0).ttft[6] == 1.0  # no LoRA info
+    s.metrics.lora = LoraInfo(max_lora=2, running=frozenset({"ad"}))
+    assert predictor.features(s, 2000, 0.0, "ad", now=0.0).ttft[6] == 0.0
+    assert predictor.features(s, 2000, 1.7, None, now=0.0).uncached_tokens == 0  # clamped
+
+
+def test_a_new_endpoint_predicts_from_the_prior_then_from_what_the_pool_learned() -> None:
+    predictor = LatencyPredictor()
+    fresh = predictor.predict(state("a:1"), 1000, 0.0, None, now=0.0)
+    assert fresh.ttft_ms == pytest.approx(TTFT_PRIOR[0] + TTFT_PRIOR[1])
+    # endpoint a teaches that everything takes 500 ms
+    for _ in range(100):
+        p = predictor.predict(state("a:1"), 1000, 0.0, None, now=0.0)
+        key = predictor.dispatched("a:1", p, now=0.0)
+        predictor.completed("a:1", key, p, 500.0, 20.0)
+    # a replica never seen before starts from the pool's fit, not the prior
+    cold = predictor.predict(state("b:1"), 1000, 0.0, None, now=0.0)
+    assert cold.ttft_ms == pytest.approx(500.0, rel=0.05)
+    assert cold.tpot_ms == pytest.approx(20.0, rel=0.05)
+
+
+def test_endpoints_that_differ_learn_their_own_speed() -> None:
+    predictor = LatencyPredictor()
+    rng = random.Random(5)
+    for _ in range(600):
+        address, per_k = rng.choice((("fast:1", 50.0), ("slow:1", 150.0)))
+        tokens = rng.randint(100, 4000)
+        p = predictor.predict(state(address), tokens, 0.0, None, now=0.0)
+        key = predictor.dispatched(address, p, now=0.0)
+        predictor.completed(address, key, p, 20.0 + per_k * tokens / 1000, None)
+    fast = predictor.predict(state("fast:1"), 3000, 0.0, None, now=0.0).ttft_ms
+    slow = predictor.predict(state("slow:1"), 3000, 0.0, None, now=0.0).ttft_ms
+    assert fast == pytest.approx(170.0, rel=0.1)
+    assert slow == pytest.approx(470.0, rel=0.1)
+    assert predictor.endpoints["slow:1"].ttft_error.mape < 0.05
+
+
+def test_backlog_counts_prompts_until_their_prefill_is_expected_done() -> None:
+    predictor = LatencyPredictor()
+    s = state("a:1")
+    p = predictor.predict(s, 3000, 0.0, None, now=10.0)
+    key = predictor.dispatched("a:1", p, now=10.0)
+    done_at = 10.0 + p.ttft_ms / 1000.0
+    assert predictor.features(s, 100, 0.0, None, now=10.0).ttft[2] == pytest.approx(3.0)
+    assert predictor.features(s, 100, 0.0, None, now=done_at + 0.001).ttft[2] == 0.0
+    p2 = predictor.predict(s, 1000, 0.0, None, now=10.0)
+    key2 = predictor.dispatched("a:1", p2, now=10.0)
+    predictor.completed("a:1", key, p, None, None)  # a failure: nothing learned, released
+    assert predictor.features(s, 100, 0.0, None, now=10.0).ttft[2] == pytest.approx(1.0)
+    assert predictor.pool_ttft.effective_n == 0.0
+    predictor.completed("a:1", key2, p2, None, None)
+    assert not predictor.endpoints["a:1"].pending
+
+
+def test_backlog_ends_at_the_first_token_when_the_gateway_sees_it() -> None:
+    class Record:
+        ttft_ms: float | None = None
+
+    predictor = LatencyPredictor()
+    s = state("a:1")
+    p = predictor.predict(s, 3000, 0.0, None, now=10.0)
+    record = Record()
+    predictor.dispatched("a:1", p, now=10.0, first_token=record)
+    late = 10.0 + p.ttft_ms / 1000.0 + 5.0  # long after the predicted end of prefill
+    assert predictor.features(s, 100, 0.0, None, now=late).ttft[2] == pytest.approx(3.0)
+    record.ttft_ms = 42.0
+    assert predictor.features(s, 100, 0.0, None, now=10.0).ttft[2] == 0.0
+
+
+def test_the_engine_reported_cache_hit_replaces_the_estimate_when_learning() -> None:
+    predictor = LatencyPredictor()
+    # the router believes nothing is cached, the engine says 900 of 1000 tokens were
+    for _ in range(200):
+        p = predictor.predict(state("a:1"), 1000, 0.0, None, now=0.0)
+        key = predictor.dispatched("a:1", p, now=0.0)
+        predictor.completed("a:1", key, p, 10.0 + 100.0 * 0.1, None, uncached_tokens=100)
+    theta = predictor.endpoints["a:1"].ttft.theta
+    assert theta[0] + theta[1] * 0.1 == pytest.approx(20.0, rel=0.05)
+
+
+def test_accuracy_and_forgetting() -> None:
+    predictor = LatencyPredictor()
+    p = predictor.predict(state("a:1"), 1000, 0.0, None, now=0.0)
+    key = predictor.dispatched("a:1", p, now=0.0)
+    predictor.completed("a:1", key, p, p.ttft_ms * 2, p.tpot_ms / 2)
+    model = predictor.endpoints["a:1"]
+    assert model.ttft_error.mape == pytest.approx(0.5)
+    assert model.tpot_error.mape == pytest.approx(1.0)
+    assert model.ttft_error.observations == 1
+    predictor.forget(["a:1", "unknown:1"])
+    assert "a:1" not in predictor.endpoints
+
+
+def test_mape_on_noisy_synthetic_latencies_converges() -> None:
+    predictor = LatencyPredictor()
+    rng = random.Random(9)
+    errors = []
+    for i in range(2000):
+        address = f"r{i % 4}:1"
+        s = state(address, in_flight=rng.randint(0, 12), waiting=rng.choice((0, 0, 1, 2)))
+        tokens = rng.randint(50, 3000)
+        match = rng.choice((0.0, 0.9))
+        p = predictor.predict(s, tokens, match, None, now=float(i))
+        key = predictor.dispatched(address, p, now=float(i))
+        true = 30 + 80 * tokens * (1 - match) / 1000 + 6 * s.in_flight_requests
+        true += 40 * s.metrics.waiting
+        actual = true * rng.uniform(0.9, 1.1)
+        if i >= 1000:
+            errors.append(abs(p.ttft_ms - actual) / actual)
+        predictor.completed(address, key, p, actual, None)
+    assert sum(errors) / len(errors) < 0.08
