@@ -54,6 +54,7 @@ from servegate.gateway.pools import (
 from servegate.gateway.probes import ProbeServer
 from servegate.gateway.proxy import Proxy, forward_headers
 from servegate.gateway.retry import RetryBudget
+from servegate.gateway.ui import DecisionLog, add_ui_routes
 from servegate.pool.pool import Pool
 from servegate.scaleout.report import add_scaleout_routes
 from servegate.scaleout.wiring import start_scaleout
@@ -91,6 +92,8 @@ class Gateway:
     reload_listeners: list[Callable[[Gateway], None]] = field(default_factory=list)
     """Called after every successful reload, with the gateway already switched over."""
     reloader: ConfigReloader | None = None
+    decisions: DecisionLog = field(default_factory=DecisionLog)
+    """The latest scheduling decisions, for the status page (`/ui`)."""
 
     def pool_runtimes(self) -> tuple[PoolRuntime, ...]:
         """Every pool's runtime (`.pool`, `.scheduler`, …); the first is the default."""
@@ -287,6 +290,7 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
             ) from exc
         gw.metrics.decision.observe(time.perf_counter() - t0)
         rt.scheduler.pre_request(llm, decision, now)
+        gw.decisions.record(rt.name, llm, decision, now)
         extra = {"X-Request-ID": rid, QUEUE_DURATION_HEADER: queue_ms(queued_s)}
         rt.cache_routing.headers(llm, decision, extra)
         if gw.config.gateway.debug_headers:
@@ -523,6 +527,7 @@ def create_app(gw: Gateway) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", serve_openapi)
     add_admin_routes(app, GATEWAY)
+    add_ui_routes(app, GATEWAY)
     add_scaleout_routes(app, GATEWAY)
     app.on_shutdown.append(_stop_queueing)
     app.cleanup_ctx.append(_components)
