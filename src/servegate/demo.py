@@ -67,10 +67,16 @@ class DemoSpec:
     output_len: int = 16
     concurrency: int = 8
     phase_seconds: float = DEFAULT_PHASE_S
-    """Seconds of traffic per policy."""
+    """Seconds of traffic per policy, over all its turns."""
     max_requests: int | None = None
-    """Stop a phase after this many requests (a bounded, timing-free run)."""
+    """Requests per policy over all its turns (a bounded, timing-free run)."""
+    rounds: int = 2
+    """Turns per policy, in the order A B B A (A B B A A B … for more), so a machine
+    whose speed drifts during the run slows both policies alike."""
     speed: float = 1.0
+    kv_events: bool = True
+    """servegate's gateway subscribes to the replicas' KV events and tokenizes prompts
+    (the precise prefix scorer of the default profile); False: approximate scorer only."""
     seed: int = 0
     host: str = "127.0.0.1"
     port: int = 8080
@@ -102,11 +108,11 @@ class DemoSpec:
         endpoints: list[dict[str, Any]] = []
         for url, events in zip(urls, kv_events, strict=True):
             endpoint: dict[str, Any] = {"url": url, "model": MODEL}
-            if events and picker is None:
+            if events and picker is None and self.kv_events:
                 endpoint["kv_events"] = events
             endpoints.append(endpoint)
         pool: dict[str, Any] = {"endpoints": endpoints, "scrape_interval_s": 0.2}
-        if picker is None:
+        if picker is None and self.kv_events:
             pool["tokenizer"] = {"source": "simulator"}
         config: dict[str, Any] = {
             "gateway": {
@@ -135,6 +141,19 @@ class PhaseResult:
     served: dict[str, float] = field(default_factory=dict)
     """Per replica URL: requests finished during the phase (engine counter)."""
     cache_resets_failed: int = 0
+
+    def add(self, other: PhaseResult) -> None:
+        """Fold another turn of the same policy into this one."""
+        self.results.extend(other.results)
+        self.wall_s += other.wall_s
+        self.cache_resets_failed += other.cache_resets_failed
+        for mine, theirs in (
+            (self.hits, other.hits),
+            (self.queries, other.queries),
+            (self.served, other.served),
+        ):
+            for url, value in theirs.items():
+                mine[url] = mine.get(url, 0.0) + value
 
     @property
     def ok(self) -> list[RequestResult]:
@@ -327,6 +346,15 @@ def print_summary(console: Console, result: DemoResult) -> None:
 # -- the run ------------------------------------------------------------------------
 
 
+def turn_order(rounds: int) -> list[str]:
+    """A B, B A, A B, …: each pair of turns swaps which policy goes first."""
+    order: list[str] = []
+    for index in range(rounds):
+        pair = [ROUND_ROBIN, SERVEGATE]
+        order += pair if index % 2 == 0 else pair[::-1]
+    return order
+
+
 async def _counters(
     session: aiohttp.ClientSession, urls: Sequence[str]
 ) -> list[EngineCounters | None]:
@@ -338,12 +366,13 @@ async def _send_phase(
     url: str,
     requests: Sequence[BenchRequest],
     spec: DemoSpec,
+    seconds: float,
+    limit: int | None,
     results: list[RequestResult],
     stop: asyncio.Event,
 ) -> None:
-    """A closed loop of `concurrency` workers cycling over `requests` until the phase ends."""
-    deadline = time.monotonic() + spec.phase_seconds
-    limit = spec.max_requests
+    """A closed loop of `concurrency` workers cycling over `requests` until the turn ends."""
+    deadline = time.monotonic() + seconds
     index = 0
 
     def next_request() -> BenchRequest | None:
@@ -365,6 +394,9 @@ async def _send_phase(
 
 async def _run_phase(
     policy: str,
+    label: str,
+    seconds: float,
+    limit: int | None,
     runner: Any,
     session: aiohttp.ClientSession,
     urls: list[str],
@@ -387,12 +419,12 @@ async def _run_phase(
     names = short_names(urls)
     started = time.monotonic()
     sender = asyncio.create_task(
-        _send_phase(session, runner.url, requests, spec, phase.results, stop)
+        _send_phase(session, runner.url, requests, spec, seconds, limit, phase.results, stop)
     )
 
     def view() -> Table:
         elapsed = time.monotonic() - started
-        return live_table(policy, gw, names, start, elapsed, phase.results, spec.phase_seconds)
+        return live_table(label, gw, names, start, elapsed, phase.results, seconds)
 
     if live_view and console.is_terminal:
         with Live(view(), console=console, refresh_per_second=4, transient=False) as live:
@@ -473,16 +505,29 @@ async def run_demo(
             )
             _print_intro(console, spec, urls, sg.url)
             requests = spec.workload.generate(model=MODEL, api=Api.COMPLETIONS, seed=spec.seed)
-            phases = []
-            for policy, runner in ((ROUND_ROBIN, rr), (SERVEGATE, sg)):
+            merged = {ROUND_ROBIN: PhaseResult(ROUND_ROBIN), SERVEGATE: PhaseResult(SERVEGATE)}
+            turns = turn_order(spec.rounds)
+            runners = {ROUND_ROBIN: rr, SERVEGATE: sg}
+            seconds = spec.phase_seconds / spec.rounds
+            done = 0
+            for number, policy in enumerate(turns):
                 if stop.is_set():
                     break
-                phases.append(
-                    await _run_phase(
-                        policy, runner, session, urls, requests, spec, console, live_view, stop
+                turn = number // 2
+                limit = None
+                if spec.max_requests is not None:
+                    limit = spec.max_requests // spec.rounds + (
+                        1 if turn < spec.max_requests % spec.rounds else 0
                     )
-                )
-            if len(phases) < 2:
+                label = f"{policy} (turn {turn + 1} of {spec.rounds})"
+                turn_result = await _run_phase(
+                    policy, label, seconds, limit, runners[policy], session, urls,
+                    requests, spec, console, live_view, stop,
+                )  # fmt: skip
+                merged[policy].add(turn_result)
+                done += 1
+            phases = list(merged.values())
+            if done < len(turns):
                 raise KeyboardInterrupt
             result = DemoResult(spec, urls, phases)
             print_summary(console, result)
@@ -513,8 +558,9 @@ def _print_intro(console: Console, spec: DemoSpec, urls: Sequence[str], sg_url: 
         f" or {spec.max_requests} requests" if spec.max_requests else ""
     )
     console.print(
-        f"The same requests go through round-robin, then through servegate's default "
-        f"picker ({limit} each); every replica's prefix cache is reset in between."
+        f"The same requests go through round-robin and through servegate's default "
+        f"picker ({limit} each, in {spec.rounds} turns, alternating); every replica's "
+        "prefix cache is reset before each turn."
     )
     for url, name in short_names(urls).items():
         console.print(f"  {name} = {url}", highlight=False)
@@ -531,6 +577,7 @@ def demo_command(
     max_requests: Annotated[
         int | None, typer.Option(min=1, help="Stop each policy's turn after this many requests.")
     ] = None,
+    rounds: Annotated[int, typer.Option(min=1, help="Turns per policy, alternating A B B A.")] = 2,
     concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight.")] = 8,
     speed: Annotated[float, typer.Option(help="Simulator speed factor.")] = 1.0,
     seed: Annotated[int, typer.Option(help="Seeds the workload.")] = 0,
@@ -549,6 +596,7 @@ def demo_command(
         port=port,
         phase_seconds=seconds,
         max_requests=max_requests,
+        rounds=rounds,
         concurrency=concurrency,
         speed=speed,
         seed=seed,

@@ -7,7 +7,7 @@ import io
 
 from rich.console import Console
 
-from servegate.demo import ROUND_ROBIN, SERVEGATE, DemoSpec, run_demo
+from servegate.demo import ROUND_ROBIN, SERVEGATE, DemoSpec, run_demo, turn_order
 
 REQUESTS = 120
 
@@ -35,3 +35,9 @@ async def test_demo_prints_the_comparison_and_servegate_hits_more() -> None:
     assert f"{100 * sg.hit_rate:.1f} %" in text and f"{100 * rr.hit_rate:.1f} %" in text
     assert "r1 = " + result.replica_urls[0] in text
     assert max(len(line) for line in text.splitlines()) <= 80
+
+
+def test_turns_alternate_so_drift_hits_both_policies() -> None:
+    assert turn_order(1) == [ROUND_ROBIN, SERVEGATE]
+    assert turn_order(2) == [ROUND_ROBIN, SERVEGATE, SERVEGATE, ROUND_ROBIN]
+    assert turn_order(3).count(ROUND_ROBIN) == 3
