@@ -575,7 +575,7 @@ def demo_command(
         float, typer.Option("--seconds", min=1.0, help="Seconds of traffic per policy.")
     ] = DEFAULT_PHASE_S,
     max_requests: Annotated[
-        int | None, typer.Option(min=1, help="Stop each policy's turn after this many requests.")
+        int | None, typer.Option(min=1, help="Requests per policy (split over its turns).")
     ] = None,
     rounds: Annotated[int, typer.Option(min=1, help="Turns per policy, alternating A B B A.")] = 2,
     concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight.")] = 8,
