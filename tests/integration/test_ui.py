@@ -137,6 +137,7 @@ def test_decision_log_is_bounded() -> None:
     assert len(log) == 4 and log.recorded == 10
     latest = log.latest(3, 10.0)
     assert [d["model"] for d in latest] == ["m9", "m8", "m7"]
+    assert [d["seq"] for d in latest] == [10, 9, 8]
     assert latest[0]["age_s"] == 1.0
 
 

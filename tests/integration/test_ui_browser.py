@@ -70,12 +70,20 @@ async def test_status_page_loads_lists_endpoints_and_updates() -> None:
             assert address in text
         assert await page.evaluate(ROUTED) == "4"
         assert await page.wait_for(DECISIONS, lambda n: n == 4) == 4
+        # a decision's score table, once opened, stays open across updates
+        await page.evaluate("document.querySelector('tr.decision details').open = true")
+        await asyncio.sleep(0.05)
+        opened = await page.evaluate("document.querySelector('tr.decision details').dataset.seq")
         polls = await page.evaluate(POLLS)
         # it updates: new traffic shows up without a reload
         await _send(session, gw.url, 3, 100)
         await page.wait_for(ROUTED, lambda v: v == "7")
         assert await page.evaluate(POLLS) > polls
         assert await page.evaluate(DECISIONS) == 7
+        still_open = f"document.querySelector('details[data-seq=\"{opened}\"]').open"
+        assert await page.evaluate(still_open) is True
+        cells = "document.querySelector('details[open] table.scores').rows.length"
+        assert await page.evaluate(cells) == 4  # a header and the 3 ranked candidates
         assert "update failed" not in await page.evaluate("document.body.innerText")
         assert not [line for line in page.console if line.startswith("exception")]
         shot = os.environ.get("SERVEGATE_UI_SCREENSHOT")

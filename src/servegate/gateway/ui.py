@@ -42,7 +42,7 @@ DECISIONS_KEPT = 64
 DECISIONS_SHOWN = 25
 REALM_HEADER = {"WWW-Authenticate": 'Basic realm="servegate"'}
 
-_Entry = tuple[float, str, str, str, int, "Decision"]
+_Entry = tuple[int, float, str, str, str, int, "Decision"]
 
 
 class DecisionLog:
@@ -60,10 +60,18 @@ class DecisionLog:
         self.recorded = 0
 
     def record(self, pool: str, request: LLMRequest, decision: Decision, now: float) -> None:
-        self._ring.append(
-            (now, pool, request.model, request.target_model, request.prompt_tokens, decision)
-        )
         self.recorded += 1
+        self._ring.append(
+            (
+                self.recorded,
+                now,
+                pool,
+                request.model,
+                request.target_model,
+                request.prompt_tokens,
+                decision,
+            )
+        )
 
     def __len__(self) -> int:
         return len(self._ring)
@@ -71,10 +79,12 @@ class DecisionLog:
     def latest(self, limit: int, now: float) -> list[dict[str, Any]]:
         """The newest `limit` decisions, newest first, as JSON-ready records."""
         out: list[dict[str, Any]] = []
-        for at, pool, model, target, tokens, decision in reversed(self._ring):
+        for seq, at, pool, model, target, tokens, decision in reversed(self._ring):
             if len(out) >= limit:
                 break
-            out.append(decision_record(at, pool, model, target, tokens, decision, now))
+            record = decision_record(at, pool, model, target, tokens, decision, now)
+            record["seq"] = seq
+            out.append(record)
         return out
 
 
