@@ -204,7 +204,9 @@ async def run_standard(
         targets = []
         for policy in runnable:
             config = spec.gateway_config(policy, cluster.urls, events)
-            gateway = GatewayProcess(policy.name, config, workdir, replicas=spec.replicas)
+            gateway = GatewayProcess(
+                policy.name, config, workdir, replicas=spec.replicas, startup_timeout_s=120.0
+            )
             await stack.enter_async_context(gateway)
             targets.append(Target(policy.name, gateway.url))
         await _warm_up(targets, spec.replicas, spec.seed)
