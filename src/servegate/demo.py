@@ -477,15 +477,27 @@ async def run_demo(
     live_view: bool = True,
     keep_running: bool = False,
 ) -> DemoResult:
-    from servegate.testing.cluster import SimCluster
-    from servegate.testing.gateway import GatewayRunner
-
-    console = console or Console()
+    """The whole demo; SIGINT/SIGTERM end it early (KeyboardInterrupt) while it runs."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    installed = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+    try:
+        return await _demo(spec, console or Console(), live_view, keep_running, stop)
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
+async def _demo(
+    spec: DemoSpec, console: Console, live_view: bool, keep_running: bool, stop: asyncio.Event
+) -> DemoResult:
+    from servegate.testing.cluster import SimCluster
+    from servegate.testing.gateway import GatewayRunner
+
     base = spec.sim_config()
     async with (
         SimCluster(spec.replicas, base=base, kv_events="tcp", host=spec.host) as cluster,
