@@ -111,7 +111,14 @@ class DemoSpec:
             if events and picker is None and self.kv_events:
                 endpoint["kv_events"] = events
             endpoints.append(endpoint)
-        pool: dict[str, Any] = {"endpoints": endpoints, "scrape_interval_s": 0.2}
+        # Patient probes: on a machine this busy the replicas share the demo's one event
+        # loop, and a late answer is not a dead replica.
+        pool: dict[str, Any] = {
+            "endpoints": endpoints,
+            "scrape_interval_s": 0.2,
+            "scrape_timeout_s": 5.0,
+            "health": {"timeout_s": 5.0, "failure_threshold": 5},
+        }
         if picker is None and self.kv_events:
             pool["tokenizer"] = {"source": "simulator"}
         config: dict[str, Any] = {

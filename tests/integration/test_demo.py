@@ -21,7 +21,8 @@ async def test_demo_prints_the_comparison_and_servegate_hits_more() -> None:
     rr, sg = result.phase(ROUND_ROBIN), result.phase(SERVEGATE)
     # the same number of requests through each, none failed, every replica counted
     assert len(rr.results) == len(sg.results) == REQUESTS
-    assert rr.errors == sg.errors == 0
+    kinds = [(r.error_kind, r.error) for r in rr.results + sg.results if not r.ok]
+    assert rr.errors == sg.errors == 0, kinds
     assert sum(rr.served.values()) == sum(sg.served.values()) == REQUESTS
     assert len(sg.served) == spec.replicas and all(n > 0 for n in sg.served.values())
     # the working set is larger than one replica's cache, so routing decides the hit rate
