@@ -351,6 +351,7 @@ def plot_sweep(
     """Hit rate, balance, TTFT and throughput against load, one line per target; error
     bars are 95 % intervals of the per-round values when the runs have rounds."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     figure = Figure(figsize=(11.0, 7.5), layout="constrained")
     axes = figure.subplots(2, 2).flatten()
@@ -376,6 +377,8 @@ def plot_sweep(
                 )
                 xs.append(point.load_value)
                 ys.append(value * scale)
+                # these quantities are never negative; a wide interval is cut at zero
+                low = None if low is None else max(0.0, low)
                 errors_low.append(max(0.0, value - low) * scale if low is not None else 0.0)
                 errors_high.append(max(0.0, high - value) * scale if high is not None else 0.0)
             if not xs:
@@ -401,8 +404,19 @@ def plot_sweep(
         ax.set_xlabel(f"offered load ({unit})")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        if len({s.load_value for s in summaries}) > 1:
+        loads = sorted({s.load_value for s in summaries})
+        if len(loads) > 1:
             ax.set_xscale("log", base=2)
+            ax.set_xticks(loads)
+            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.xaxis.set_minor_formatter(NullFormatter())
+        if name == "ttft" and drawn:
+            positive = [v for line in ax.get_lines() for v in line.get_ydata() if v > 0]
+            if positive and time_axis_scale(min(positive), max(positive)) == "log":
+                ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(ScalarFormatter())
+        elif drawn:
+            ax.set_ylim(bottom=0)
         if drawn:
             ax.legend(fontsize="small")
         else:
