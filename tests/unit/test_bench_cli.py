@@ -75,7 +75,11 @@ def test_compares_two_targets_and_writes_everything(backend_url: str, tmp_path: 
     assert code == 0, output
     assert "| a | c=2 | 6 | 0 |" in output
     assert "| b | c=2 | 6 | 0 |" in output
-    assert "[c=2] b: TTFT p50" in output
+    # ratios against the first target, with intervals over the 2 rounds, and a warning
+    # that 3 requests per round are too few for a p99
+    assert "[c=2] b vs a: TTFT p50 " in output
+    assert "(2 rounds; 95 % intervals)" in output
+    assert "warning: b vs a at c=2: a round has only 3 successful requests" in output
     for name in ("report.md", "summary.json", "summary.csv", "requests.csv", "ttft_cdf.png"):
         assert (tmp_path / "out" / name).is_file()
     document = orjson.loads((tmp_path / "out" / "summary.json").read_bytes())

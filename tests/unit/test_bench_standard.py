@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -15,12 +16,14 @@ from typer.testing import CliRunner
 from servegate.bench.policies import Policy, policy_named
 from servegate.bench.standard import (
     DOCS_PLOT,
+    DOCS_SWEEP,
     SECTION,
     StandardResult,
     StandardSpec,
     comparison_table,
     run_standard,
     standard_command,
+    verdict_lines,
     write_outputs,
 )
 from servegate.config import parse_config
@@ -37,7 +40,7 @@ TINY = StandardSpec(
     system_prompt_len=40,
     question_len=8,
     output_len=4,
-    concurrency=2,
+    concurrency=(1, 2),
     rounds=2,
     timeout_s=20.0,
 )
@@ -62,7 +65,13 @@ def test_only_registered_policies_run_and_the_others_say_why(
 ) -> None:
     result, _ = ran
     assert [p.name for p in result.policies] == ["round-robin", "approx-prefix"]
-    assert [s.target for s in result.summaries] == ["round-robin", "approx-prefix"]
+    # one summary per policy and load point (the sweep over concurrency 1 and 2)
+    assert [(s.load, s.target) for s in result.summaries] == [
+        ("c=1", "round-robin"),
+        ("c=1", "approx-prefix"),
+        ("c=2", "round-robin"),
+        ("c=2", "approx-prefix"),
+    ]
     assert result.unavailable == {
         "future": "plugin type `no-such-scorer` is not registered in this build"
     }
@@ -102,7 +111,14 @@ def test_round_robin_spreads_requests_evenly(ran: tuple[StandardResult, Path]) -
 def test_outputs_reports_configs_and_the_docs_section(ran: tuple[StandardResult, Path]) -> None:
     result, out = ran
     results = out / "results"
-    for name in ("summary.json", "summary.csv", "requests.csv", "report.md", "ttft_cdf.png"):
+    for name in (
+        "summary.json",
+        "summary.csv",
+        "requests.csv",
+        "report.md",
+        "ttft_cdf.png",
+        "sweep.png",
+    ):
         assert (results / name).stat().st_size > 0, name
     assert (results / "gateways" / "round-robin.yaml").exists()
     meta = orjson.loads((results / "summary.json").read_bytes())["meta"]
@@ -115,6 +131,32 @@ def test_outputs_reports_configs_and_the_docs_section(ran: tuple[StandardResult,
     assert "| `future` | not available |" in docs
     assert f"![TTFT CDF per policy]({DOCS_PLOT})" in docs
     assert (out / "docs" / DOCS_PLOT).read_bytes() == (results / "ttft_cdf.png").read_bytes()
+    assert f"]({DOCS_SWEEP})" in docs
+    assert (out / "docs" / DOCS_SWEEP).read_bytes() == (results / "sweep.png").read_bytes()
+
+
+def test_ratios_carry_intervals_and_small_samples_are_flagged(
+    ran: tuple[StandardResult, Path],
+) -> None:
+    result, out = ran
+    lines = verdict_lines(result)
+    ratios = [line for line in lines if not line.startswith("warning:")]
+    assert [line.split(":")[0] for line in ratios] == [
+        "[c=1] approx-prefix vs round-robin",
+        "[c=2] approx-prefix vs round-robin",
+    ]
+    # two rounds each: a ratio with two usable rounds has an interval, e.g.
+    # "TTFT p50 0.66× [0.05, 9.1]"; a round where round-robin hit nothing has no ratio
+    interval = re.compile(r"TTFT p50 [0-9.]+× \[[0-9.e+-]+, [0-9.e+-]+\]")
+    assert all(interval.search(line) for line in ratios), ratios
+    # 4 requests per round cannot separate much, and the report says so
+    assert any("a round has only 4 successful requests" in line for line in lines)
+    docs = (out / "docs" / "benchmarks.md").read_text()
+    assert all(line in docs for line in lines)
+    document = orjson.loads((out / "results" / "summary.json").read_bytes())
+    assert {r["metric"] for r in document["ratios"]} >= {"hit rate", "TTFT p50", "throughput"}
+    assert all(r["base"] == "round-robin" for r in document["ratios"])
+    assert all(r["rounds"] == 2 for r in document["ratios"] if r["metric"] == "TTFT p50")
 
 
 def test_rewriting_the_docs_keeps_one_section(ran: tuple[StandardResult, Path]) -> None:

@@ -1,11 +1,21 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from servegate.bench.client import RequestResult
 from servegate.bench.engine_counters import EngineDelta
-from servegate.bench.runner import LoadKind, LoadPoint, Target, TargetRun
-from servegate.bench.stats import balance, percentile, summarize
+from servegate.bench.runner import LoadKind, LoadPoint, RoundRecord, Target, TargetRun
+from servegate.bench.stats import (
+    balance,
+    compare_runs,
+    percentile,
+    ratio_interval,
+    sample_warnings,
+    summarize,
+    t_critical,
+)
 
 
 @pytest.mark.parametrize(
@@ -125,3 +135,71 @@ def test_failed_engine_reads_are_counted() -> None:
     run = run_with([ok(1.0)])
     run.engine_deltas = {"http://e1": EngineDelta(failed_scrapes=2), "http://e2": EngineDelta()}
     assert summarize(run).engine_scrapes_failed == 2
+
+
+# -- ratios with intervals over rounds ------------------------------------------------
+
+
+def test_t_critical_values() -> None:
+    assert t_critical(1) == pytest.approx(12.706)
+    assert t_critical(4) == pytest.approx(2.776)
+    assert t_critical(11) == t_critical(10)  # between entries: the smaller df, wider
+    assert t_critical(100) == 1.96
+    with pytest.raises(ValueError, match="two rounds"):
+        t_critical(0)
+
+
+def test_ratio_interval_is_geometric_with_a_t_interval_on_the_logs() -> None:
+    ratio, low, high = ratio_interval([2.0, 8.0])  # logs ln2, ln8: mean ln4, sd ln4/sqrt2
+    assert ratio == pytest.approx(4.0)
+    half = 12.706 * (math.log(4.0) / math.sqrt(2)) / math.sqrt(2)
+    assert low == pytest.approx(math.exp(math.log(4.0) - half))
+    assert high == pytest.approx(math.exp(math.log(4.0) + half))
+    assert ratio_interval([3.0]) == (pytest.approx(3.0), None, None)
+    same = ratio_interval([1.5, 1.5, 1.5])
+    assert same == (pytest.approx(1.5), pytest.approx(1.5), pytest.approx(1.5))
+
+
+def _rounds_run(name: str, ttfts_per_round: list[list[float]], hits: list[float]) -> TargetRun:
+    run = TargetRun(Target(name, f"http://{name}"), LoadPoint(LoadKind.CONCURRENCY, 4))
+    for index, (ttfts, hit) in enumerate(zip(ttfts_per_round, hits, strict=True)):
+        record = RoundRecord(index, [ok(1.0, ttft=t, tokens=10) for t in ttfts], 1.0)
+        record.engine_deltas["e"] = EngineDelta(prefix_hits=hit, prefix_queries=100.0)
+        run.rounds.append(record)
+        run.results += record.results
+        run.wall_s += 1.0
+    return run
+
+
+def test_compare_runs_pairs_rounds_and_separates_a_consistent_difference() -> None:
+    fast = [[0.05] * 40, [0.06] * 40, [0.05] * 40]
+    slow = [[0.10] * 40, [0.11] * 40, [0.10] * 40]
+    base = _rounds_run("base", slow, [20.0, 22.0, 21.0])
+    better = _rounds_run("better", fast, [80.0, 82.0, 79.0])
+    estimates = {e.metric: e for e in compare_runs(better, base)}
+    hit, ttft = estimates["hit rate"], estimates["TTFT p50"]
+    assert hit.rounds == 3 and hit.separated and hit.better is True
+    assert hit.low is not None and hit.low > 3.0  # ~3.8x, every round
+    assert ttft.separated and ttft.better is True and ttft.ratio < 0.6
+    assert estimates["throughput"].separated is False  # the same tokens in the same time
+    assert estimates["throughput"].better is None
+    assert "hit rate 3.8" in hit.describe() and "[" in hit.describe()
+    warnings = sample_warnings(better, base, list(estimates.values()))
+    assert warnings == [
+        "better vs base at c=4: the sample is too small to separate them on throughput "
+        "(95 % interval spans 1.0 over 3 rounds); run more rounds or requests"
+    ]
+
+
+def test_noisy_or_small_samples_are_flagged() -> None:
+    base = _rounds_run("base", [[0.10] * 5, [0.10] * 5], [20.0, 20.0])
+    noisy = _rounds_run("noisy", [[0.05] * 5, [0.20] * 5], [10.0, 40.0])
+    estimates = compare_runs(noisy, base)
+    warnings = sample_warnings(noisy, base, estimates)
+    assert any("too small to separate them on hit rate, TTFT p50" in w for w in warnings)
+    assert any("a round has only 5 successful requests" in w for w in warnings)
+    one = _rounds_run("one", [[0.05] * 40], [50.0])
+    lone = compare_runs(one, _rounds_run("b", [[0.1] * 40], [10.0]))
+    assert all(e.low is None and e.rounds == 1 for e in lone)
+    assert "(1 round, no interval)" in lone[0].describe()
+    assert any("1 round, so no confidence interval" in w for w in sample_warnings(one, one, lone))

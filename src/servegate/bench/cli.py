@@ -22,7 +22,13 @@ import aiohttp
 import orjson
 import typer
 
-from servegate.bench.report import markdown_table, rich_progress, verdicts, write_report
+from servegate.bench.report import (
+    comparison_lines,
+    comparisons,
+    markdown_table,
+    rich_progress,
+    write_report,
+)
 from servegate.bench.runner import (
     BenchPlan,
     LoadKind,
@@ -300,7 +306,7 @@ def _finish(plan: BenchPlan, runs: list[TargetRun], description: str, out: Path)
     written = write_report(out, runs, summaries, meta)
     typer.echo(markdown_table(summaries))
     typer.echo("")
-    for line in verdicts(summaries):
+    for line in comparison_lines(comparisons(runs)):
         typer.echo(line)
     if meta["cache_resets_failed"]:
         typer.echo(

@@ -16,6 +16,7 @@ import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,13 @@ from rich.progress import (
 
 from servegate.bench.client import RequestResult
 from servegate.bench.runner import TargetRun
-from servegate.bench.stats import TargetSummary
+from servegate.bench.stats import (
+    RatioEstimate,
+    TargetSummary,
+    compare_runs,
+    round_summaries,
+    sample_warnings,
+)
 
 SUMMARY_COLUMNS = (
     "target",
@@ -137,12 +144,66 @@ def verdicts(summaries: Sequence[TargetSummary]) -> list[str]:
     return lines
 
 
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """One target against the baseline at one load point."""
+
+    run: TargetRun
+    base: TargetRun
+    estimates: list[RatioEstimate]
+    warnings: list[str]
+
+    def line(self) -> str:
+        parts = ", ".join(e.describe() for e in self.estimates) or "no comparable numbers"
+        rounds = max((e.rounds for e in self.estimates), default=0)
+        return (
+            f"[{self.run.point.label}] {self.run.target.name} vs {self.base.target.name}: "
+            f"{parts} ({rounds} rounds; 95 % intervals)"
+        )
+
+
+def comparisons(runs: Sequence[TargetRun], baseline: str | None = None) -> list[Comparison]:
+    """Every target against `baseline` (default: the first target) at each load point,
+    each ratio with its interval over the paired rounds."""
+    by_load: dict[str, list[TargetRun]] = {}
+    for run in runs:
+        by_load.setdefault(run.point.label, []).append(run)
+    out = []
+    for group in by_load.values():
+        base = next((r for r in group if r.target.name == baseline), group[0])
+        for run in group:
+            if run is base:
+                continue
+            estimates = compare_runs(run, base)
+            out.append(Comparison(run, base, estimates, sample_warnings(run, base, estimates)))
+    return out
+
+
+def comparison_lines(found: Sequence[Comparison]) -> list[str]:
+    """The ratio lines, then every warning once."""
+    lines = [c.line() for c in found]
+    seen: list[str] = []
+    for comparison in found:
+        seen += [w for w in comparison.warnings if w not in seen]
+    return lines + [f"warning: {w}" for w in seen]
+
+
 def summary_record(summary: TargetSummary) -> dict[str, Any]:
     return dataclasses.asdict(summary)
 
 
-def write_json(path: Path, summaries: Sequence[TargetSummary], meta: dict[str, Any]) -> None:
-    document = {"meta": meta, "summaries": [summary_record(s) for s in summaries]}
+def write_json(
+    path: Path,
+    summaries: Sequence[TargetSummary],
+    meta: dict[str, Any],
+    found: Sequence[Comparison] = (),
+) -> None:
+    document = {
+        "meta": meta,
+        "summaries": [summary_record(s) for s in summaries],
+        "ratios": [dataclasses.asdict(e) for c in found for e in c.estimates],
+        "warnings": [w for c in found for w in c.warnings],
+    }
     path.write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))
 
 
@@ -253,44 +314,121 @@ def plot_ttft_cdf(path: Path, runs: Sequence[TargetRun]) -> None:
     figure.savefig(path, dpi=110)
 
 
-def plot_sweep(path: Path, summaries: Sequence[TargetSummary]) -> None:
-    from matplotlib.figure import Figure
+def _round_interval(run: TargetRun, value: Any) -> tuple[float | None, float | None, float | None]:
+    """A metric's mean over `run`'s rounds and its 95 % t-interval (None when absent)."""
+    values = [value(s) for s in round_summaries(run).values()]
+    present = [v for v in values if v is not None]
+    if not present:
+        return None, None, None
+    mean = sum(present) / len(present)
+    if len(present) < 2:
+        return mean, None, None
+    sd = math.sqrt(sum((v - mean) ** 2 for v in present) / (len(present) - 1))
+    from servegate.bench.stats import t_critical
 
-    figure = Figure(figsize=(11.0, 4.0), layout="constrained")
-    latency_ax, throughput_ax = figure.subplots(1, 2)
+    half = t_critical(len(present) - 1) * sd / math.sqrt(len(present))
+    return mean, mean - half, mean + half
+
+
+SWEEP_PANELS: tuple[tuple[str, str, float], ...] = (
+    ("hit_rate", "prefix-cache hit rate (%)", 100.0),
+    ("balance", "balance (max/mean requests per replica)", 1.0),
+    ("ttft", "TTFT p50 (ms); p99 dashed", 1000.0),
+    ("output_tok_per_s", "output tokens/s", 1.0),
+)
+
+
+def _panel_value(name: str, summary: TargetSummary) -> float | None:
+    if name == "ttft":
+        return summary.ttft_p50_s if summary.ttft_p50_s is not None else summary.e2e_p50_s
+    value: float | None = getattr(summary, name)
+    return value
+
+
+def plot_sweep(
+    path: Path, summaries: Sequence[TargetSummary], runs: Sequence[TargetRun] = ()
+) -> None:
+    """Hit rate, balance, TTFT and throughput against load, one line per target; error
+    bars are 95 % intervals of the per-round values when the runs have rounds."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    figure = Figure(figsize=(11.0, 7.5), layout="constrained")
+    axes = figure.subplots(2, 2).flatten()
     by_target: dict[str, list[TargetSummary]] = {}
     for summary in summaries:
         by_target.setdefault(summary.target, []).append(summary)
+    run_of = {(r.target.name, r.point.label): r for r in runs}
     kind = summaries[0].load_kind if summaries else "load"
-    for target, points in by_target.items():
-        points = sorted(points, key=lambda s: s.load_value)
-        xs = [p.load_value for p in points]
-        use_ttft = all(p.ttft_p50_s is not None for p in points)
-        p50 = [(p.ttft_p50_s if use_ttft else p.e2e_p50_s) or 0.0 for p in points]
-        p99 = [(p.ttft_p99_s if use_ttft else p.e2e_p99_s) or 0.0 for p in points]
-        name = "TTFT" if use_ttft else "e2e"
-        (line,) = latency_ax.plot(xs, [v * 1000 for v in p50], marker="o", label=f"{target} p50")
-        latency_ax.plot(
-            xs,
-            [v * 1000 for v in p99],
-            marker="x",
-            linestyle="--",
-            color=line.get_color(),
-            label=f"{target} p99",
-        )
-        latency_ax.set_ylabel(f"{name} (ms)")
-        throughput_ax.plot(xs, [p.output_tok_per_s for p in points], marker="o", label=target)
-    unit = "requests/s" if kind == "rate" else kind
-    for ax, title in ((latency_ax, "latency"), (throughput_ax, "output tokens/s")):
+    for ax, (name, title, scale) in zip(axes, SWEEP_PANELS, strict=True):
+        drawn = False
+        for target, points in by_target.items():
+            points = sorted(points, key=lambda s: s.load_value)
+            xs, ys, errors_low, errors_high = [], [], [], []
+            for point in points:
+                value = _panel_value(name, point)
+                if value is None:
+                    continue
+                run = run_of.get((target, point.load))
+                _, low, high = (
+                    _round_interval(run, lambda s, n=name: _panel_value(n, s))
+                    if run is not None and len(run.rounds) > 1
+                    else (None, None, None)
+                )
+                xs.append(point.load_value)
+                ys.append(value * scale)
+                # these quantities are never negative; a wide interval is cut at zero
+                low = None if low is None else max(0.0, low)
+                errors_low.append(max(0.0, value - low) * scale if low is not None else 0.0)
+                errors_high.append(max(0.0, high - value) * scale if high is not None else 0.0)
+            if not xs:
+                continue
+            drawn = True
+            line = ax.errorbar(
+                xs, ys, yerr=[errors_low, errors_high], marker="o", capsize=3, label=target
+            )
+            if name == "ttft":
+                p99 = [
+                    (p.ttft_p99_s if p.ttft_p99_s is not None else p.e2e_p99_s)
+                    for p in points
+                    if _panel_value(name, p) is not None
+                ]
+                ax.plot(
+                    xs,
+                    [(v or 0.0) * scale for v in p99],
+                    linestyle="--",
+                    marker="x",
+                    color=line.lines[0].get_color(),
+                )
+        unit = "requests/s" if kind == "rate" else kind
         ax.set_xlabel(f"offered load ({unit})")
-        ax.set_title(f"{title} vs load")
+        ax.set_title(title)
         ax.grid(alpha=0.3)
-        ax.legend()
+        loads = sorted({s.load_value for s in summaries})
+        if len(loads) > 1:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(loads)
+            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.xaxis.set_minor_formatter(NullFormatter())
+        if name == "ttft" and drawn:
+            positive = [v for line in ax.get_lines() for v in line.get_ydata() if v > 0]
+            if positive and time_axis_scale(min(positive), max(positive)) == "log":
+                ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(ScalarFormatter())
+        elif drawn:
+            ax.set_ylim(bottom=0)
+        if drawn:
+            ax.legend(fontsize="small")
+        else:
+            ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
     figure.savefig(path, dpi=110)
 
 
 def render_markdown(
-    summaries: Sequence[TargetSummary], meta: dict[str, Any], plots: Sequence[str]
+    summaries: Sequence[TargetSummary],
+    meta: dict[str, Any],
+    plots: Sequence[str],
+    found: Sequence[Comparison] = (),
 ) -> str:
     sections = ["# servegate bench report", ""]
     if meta.get("command"):
@@ -312,6 +450,18 @@ def render_markdown(
                 )
         if errors or any(s.engine_scrapes_failed for s in group):
             sections.append("")
+    if found:
+        sections += [
+            "## Ratios against the baseline",
+            "",
+            "Each ratio is the geometric mean of the per-round ratios (every round sends "
+            "the same requests to each target), in brackets its 95 % confidence interval "
+            "(Student's t on the log ratios). An interval that contains 1.00 does not "
+            "separate the two targets.",
+            "",
+            *(f"- {line}" for line in comparison_lines(found)),
+            "",
+        ]
     sections += [
         "Times are medians (p50) and tail percentiles over successful requests; rates divide "
         "by each target's own wall time. Hit rate comes from the replicas' prefix-cache "
@@ -328,22 +478,24 @@ def write_report(
     runs: Sequence[TargetRun],
     summaries: Sequence[TargetSummary],
     meta: dict[str, Any],
+    baseline: str | None = None,
 ) -> list[Path]:
     """Writes every report file into `out_dir` (created if needed); returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    found = comparisons(runs, baseline)
     written = []
     plots = []
     if any(result.ok for run in runs for result in run.results):
         plot_ttft_cdf(out_dir / "ttft_cdf.png", runs)
         plots.append("ttft_cdf.png")
     if len(group_by_load(summaries)) > 1:
-        plot_sweep(out_dir / "sweep.png", summaries)
+        plot_sweep(out_dir / "sweep.png", summaries, runs)
         plots.append("sweep.png")
     written += [out_dir / p for p in plots]
-    write_json(out_dir / "summary.json", summaries, meta)
+    write_json(out_dir / "summary.json", summaries, meta, found)
     write_summary_csv(out_dir / "summary.csv", summaries)
     write_requests_csv(out_dir / "requests.csv", runs)
-    (out_dir / "report.md").write_text(render_markdown(summaries, meta, plots))
+    (out_dir / "report.md").write_text(render_markdown(summaries, meta, plots, found))
     written += [out_dir / n for n in ("summary.json", "summary.csv", "requests.csv", "report.md")]
     return written
 

@@ -232,6 +232,16 @@ class BenchPlan:
 
 
 @dataclass(slots=True)
+class RoundRecord:
+    """What one round of one target measured: the unit of the confidence intervals."""
+
+    index: int
+    results: list[RequestResult] = field(default_factory=list)
+    wall_s: float = 0.0
+    engine_deltas: dict[str, EngineDelta] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class TargetRun:
     """Everything measured for one target at one load point, over all its rounds."""
 
@@ -241,6 +251,20 @@ class TargetRun:
     wall_s: float = 0.0
     engine_deltas: dict[str, EngineDelta] = field(default_factory=dict)
     cache_resets_failed: int = 0
+    rounds: list[RoundRecord] = field(default_factory=list)
+    """The same measurements round by round (`results` etc. are their sums)."""
+
+    def round_run(self, record: RoundRecord) -> TargetRun:
+        """One round as a run of its own, for per-round summaries."""
+        return TargetRun(
+            self.target,
+            self.point,
+            list(record.results),
+            record.wall_s,
+            dict(record.engine_deltas),
+            0,
+            [record],
+        )
 
 
 def split_rounds(requests: Sequence[BenchRequest], rounds: int) -> list[list[BenchRequest]]:
@@ -323,5 +347,8 @@ async def _run_one(
     after = await _snapshot(session, plan.engines)
     run.results.extend(segment.results)
     run.wall_s += segment.wall_s
+    record = RoundRecord(round_index, list(segment.results), segment.wall_s)
     for url, first, last in zip(plan.engines, before, after, strict=True):
         run.engine_deltas.setdefault(url, EngineDelta()).add(first, last)
+        record.engine_deltas.setdefault(url, EngineDelta()).add(first, last)
+    run.rounds.append(record)

@@ -46,7 +46,7 @@ from servegate.bench.policies import (
     registered_types,
     split_available,
 )
-from servegate.bench.report import rich_progress, write_report
+from servegate.bench.report import comparison_lines, comparisons, rich_progress, write_report
 from servegate.bench.runner import (
     BenchPlan,
     LoadKind,
@@ -64,6 +64,7 @@ from servegate.bench.workloads import Api, BenchRequest, SharedPrefixWorkload
 MODEL = "sim-model"
 SECTION = "standard-comparison"
 DOCS_PLOT = "img/standard-comparison-ttft-cdf.png"
+DOCS_SWEEP = "img/standard-comparison-sweep.png"
 BASELINE = "round-robin"
 
 
@@ -80,13 +81,14 @@ class StandardSpec:
     speed: float = 1.0
     """Simulator speed factor (divides every simulated duration)."""
     groups: int = 16
-    prompts_per_group: int = 48
+    prompts_per_group: int = 24
     system_prompt_len: int = 512
     """Words; the simulator's tokenizer makes about 1.9 tokens of each made-up word."""
     question_len: int = 32
     output_len: int = 16
-    concurrency: int = 8
-    rounds: int = 3
+    concurrency: tuple[int, ...] = (4, 8, 32)
+    """Requests in flight; one load point each, swept in this order."""
+    rounds: int = 4
     seed: int = 0
     timeout_s: float = 60.0
     segment_limit_s: float = 300.0
@@ -95,7 +97,10 @@ class StandardSpec:
     def __post_init__(self) -> None:
         for spec_field in dataclasses.fields(self):
             value = getattr(self, spec_field.name)
-            if spec_field.name != "seed" and value <= 0:
+            if spec_field.name == "concurrency":
+                if not value or min(value) < 1:
+                    raise ValueError(f"concurrency needs values >= 1, got {value}")
+            elif spec_field.name != "seed" and value <= 0:
                 raise ValueError(f"{spec_field.name} must be > 0, got {value}")
         from servegate.simulator.config import parse_sim_config
 
@@ -199,14 +204,16 @@ async def run_standard(
         targets = []
         for policy in runnable:
             config = spec.gateway_config(policy, cluster.urls, events)
-            gateway = GatewayProcess(policy.name, config, workdir, replicas=spec.replicas)
+            gateway = GatewayProcess(
+                policy.name, config, workdir, replicas=spec.replicas, startup_timeout_s=120.0
+            )
             await stack.enter_async_context(gateway)
             targets.append(Target(policy.name, gateway.url))
         await _warm_up(targets, spec.replicas, spec.seed)
         requests = spec.workload.generate(model=MODEL, api=Api.COMPLETIONS, seed=spec.seed)
         plan = BenchPlan(
             targets=tuple(targets),
-            points=(LoadPoint(LoadKind.CONCURRENCY, spec.concurrency),),
+            points=tuple(LoadPoint(LoadKind.CONCURRENCY, c) for c in spec.concurrency),
             options=SendOptions(stream=True, ignore_eos=True, timeout_s=spec.timeout_s),
             rounds=spec.rounds,
             max_requests=len(requests),
@@ -245,6 +252,7 @@ def replica_split(summary: TargetSummary, urls: Sequence[str]) -> str:
 
 
 TABLE_COLUMNS = (
+    "load",
     "policy",
     "requests",
     "errors",
@@ -267,6 +275,7 @@ def comparison_table(result: StandardResult) -> str:
     for s in result.summaries:
         balance = "-" if s.balance is None else f"{s.balance:.2f}"
         row = [
+            s.load,
             f"`{s.target}`",
             str(s.requests),
             str(s.errors),
@@ -281,35 +290,23 @@ def comparison_table(result: StandardResult) -> str:
         ]
         lines.append("| " + " | ".join(row) + " |")
     for name in result.unavailable:
-        cells = [f"`{name}`", "not available", *("" for _ in TABLE_COLUMNS[2:])]
+        cells = ["", f"`{name}`", "not available", *("" for _ in TABLE_COLUMNS[3:])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def verdict_lines(result: StandardResult) -> list[str]:
-    """One line per policy against round-robin (or the first policy that ran)."""
-    if not result.summaries:
-        return []
-    base = next((s for s in result.summaries if s.target == BASELINE), result.summaries[0])
-    lines = []
-    for s in result.summaries:
-        if s is base:
-            continue
-        parts = []
-        if s.hit_rate is not None and base.hit_rate is not None:
-            parts.append(f"hit rate {_pct(s.hit_rate)} vs {_pct(base.hit_rate)}")
-        if s.ttft_p50_s and base.ttft_p50_s:
-            parts.append(f"TTFT p50 {s.ttft_p50_s / base.ttft_p50_s:.2f}×")
-        if s.ttft_p99_s and base.ttft_p99_s:
-            parts.append(f"TTFT p99 {s.ttft_p99_s / base.ttft_p99_s:.2f}×")
-        if base.output_tok_per_s > 0:
-            parts.append(f"throughput {s.output_tok_per_s / base.output_tok_per_s:.2f}×")
-        lines.append(f"- `{s.target}` vs `{base.target}`: " + ", ".join(parts))
-    return lines
+    """Every policy against round-robin (or the first that ran) at each load point, each
+    ratio with its 95 % interval over the paired rounds; then the sample warnings."""
+    return comparison_lines(comparisons(result.runs, BASELINE))
 
 
 def render_section(
-    result: StandardResult, command: str, plot: str | None, guide: str = "`docs/bench.md`"
+    result: StandardResult,
+    command: str,
+    plot: str | None,
+    guide: str = "`docs/bench.md`",
+    sweep: str | None = None,
 ) -> str:
     spec = result.spec
     usable = (spec.num_blocks - 1) * spec.block_size
@@ -332,8 +329,10 @@ def render_section(
         f"each, speed {spec.speed:g}) and one `servegate serve` process per policy. Workload: "
         f"shared-prefix, {spec.groups} groups × {spec.prompts_per_group} questions, system "
         f"prompts of {spec.system_prompt_len} words, questions of {spec.question_len} words"
-        f"{tokens}, {spec.output_len} output tokens, streamed; {spec.concurrency} requests in "
-        f"flight; seed {spec.seed}. The policies take turns over {spec.rounds} rounds, and "
+        f"{tokens}, {spec.output_len} output tokens, streamed; "
+        f"{' / '.join(str(c) for c in spec.concurrency)} requests in flight (one load point "
+        f"each, the whole workload at each); seed {spec.seed}. At each load point the "
+        f"policies take turns over {spec.rounds} rounds (the order rotating each round), and "
         "every replica's prefix cache is reset (`POST /reset_prefix_cache`) before each "
         "turn. Hit rate and balance come from the replicas' own counters "
         "(`vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total`, "
@@ -341,7 +340,11 @@ def render_section(
         "",
         comparison_table(result),
         "",
-        *verdict_lines(result),
+        "Ratios against `round-robin`: the geometric mean of the per-round ratios, in "
+        "brackets the 95 % confidence interval over the rounds (Student's t on the log "
+        "ratios); an interval containing 1.00 does not separate the two.",
+        "",
+        *(f"- {line}" for line in verdict_lines(result)),
     ]
     for name, reason in result.unavailable.items():
         lines.append(f"- `{name}`: not available — {reason}.")
@@ -362,6 +365,14 @@ def render_section(
         "(other jobs share the machine; compare policies within one run). "
         f"Measured {time.strftime('%Y-%m-%d')}.",
     ]
+    if sweep is not None:
+        lines += [
+            "",
+            "Hit rate, balance, TTFT and throughput against concurrency (error bars: 95 % "
+            "intervals over the rounds):",
+            "",
+            f"![hit rate, balance, TTFT and throughput against concurrency]({sweep})",
+        ]
     if plot is not None:
         lines += ["", f"![TTFT CDF per policy]({plot})"]
     return "\n".join(lines) + "\n"
@@ -383,21 +394,35 @@ def write_outputs(
         "cache_resets_failed": sum(run.cache_resets_failed for run in result.runs),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    written = write_report(out_dir, result.runs, result.summaries, meta)
+    written = write_report(out_dir, result.runs, result.summaries, meta, baseline=BASELINE)
     section_path = out_dir / "standard-comparison.md"
-    local_plot = out_dir / "ttft_cdf.png"
-    has_plot = local_plot.exists()
-    section_path.write_text(render_section(result, command, "ttft_cdf.png" if has_plot else None))
+    local_plot, local_sweep = out_dir / "ttft_cdf.png", out_dir / "sweep.png"
+    has_plot, has_sweep = local_plot.exists(), local_sweep.exists()
+    section_path.write_text(
+        render_section(
+            result,
+            command,
+            "ttft_cdf.png" if has_plot else None,
+            sweep="sweep.png" if has_sweep else None,
+        )
+    )
     written.append(section_path)
     if docs is not None:
-        plot = None
-        if has_plot:
-            target = docs.parent / DOCS_PLOT
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(local_plot, target)
-            written.append(target)
-            plot = DOCS_PLOT
-        update_file(docs, SECTION, render_section(result, command, plot, "[bench.md](bench.md)"))
+        plots: dict[str, str | None] = {DOCS_PLOT: None, DOCS_SWEEP: None}
+        for local, name, present in (
+            (local_plot, DOCS_PLOT, has_plot),
+            (local_sweep, DOCS_SWEEP, has_sweep),
+        ):
+            if present:
+                target = docs.parent / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(local, target)
+                written.append(target)
+                plots[name] = name
+        section = render_section(
+            result, command, plots[DOCS_PLOT], "[bench.md](bench.md)", sweep=plots[DOCS_SWEEP]
+        )
+        update_file(docs, SECTION, section)
         written.append(docs)
     return written
 
@@ -432,8 +457,9 @@ def standard_command(
         int, typer.Option(help="Output tokens per request.")
     ] = DEFAULT_SPEC.output_len,
     concurrency: Annotated[
-        int, typer.Option(help="Requests in flight.")
-    ] = DEFAULT_SPEC.concurrency,
+        list[int] | None,
+        typer.Option(help="Requests in flight; repeat to sweep (default 4, 8, 32)."),
+    ] = None,
     rounds: Annotated[
         int, typer.Option(help="Rounds the policies alternate over.")
     ] = DEFAULT_SPEC.rounds,
@@ -451,7 +477,7 @@ def standard_command(
             system_prompt_len=system_prompt_len,
             question_len=question_len,
             output_len=output_len,
-            concurrency=concurrency,
+            concurrency=tuple(concurrency) if concurrency else DEFAULT_SPEC.concurrency,
             rounds=rounds,
             speed=speed,
             seed=seed,

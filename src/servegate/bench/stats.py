@@ -145,3 +145,171 @@ def summarize(run: TargetRun) -> TargetSummary:
         balance_source=balance_source,
         engine_scrapes_failed=sum(d.failed_scrapes for d in run.engine_deltas.values()),
     )
+
+
+# -- ratios between targets, with confidence intervals over rounds ------------------
+
+T_975 = {
+    1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+    9: 2.262, 10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042,
+}  # fmt: skip
+"""Student's t, two-sided 95 %, by degrees of freedom (a df between two entries uses
+the smaller one, which widens the interval slightly; above 30, 1.96)."""
+
+SMALL_ROUND = 30
+"""Fewer successful requests than this per round make a round's p99 close to its maximum."""
+
+
+def t_critical(df: int) -> float:
+    if df < 1:
+        raise ValueError("a confidence interval needs at least two rounds")
+    if df > 30:
+        return 1.96
+    return T_975[max(k for k in T_975 if k <= df)]
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    name: str
+    higher_is_better: bool
+
+    def value(self, summary: TargetSummary) -> float | None:
+        if self.name == "hit rate":
+            return summary.hit_rate
+        if self.name == "TTFT p50":
+            return summary.ttft_p50_s if summary.ttft_p50_s is not None else summary.e2e_p50_s
+        if self.name == "TTFT p99":
+            return summary.ttft_p99_s if summary.ttft_p99_s is not None else summary.e2e_p99_s
+        if self.name == "throughput":
+            return summary.output_tok_per_s or summary.req_per_s
+        if self.name == "balance":
+            return summary.balance
+        raise KeyError(self.name)
+
+
+RATIO_METRICS = (
+    Metric("hit rate", higher_is_better=True),
+    Metric("TTFT p50", higher_is_better=False),
+    Metric("TTFT p99", higher_is_better=False),
+    Metric("throughput", higher_is_better=True),
+    Metric("balance", higher_is_better=False),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RatioEstimate:
+    """`target`'s metric over `base`'s: the geometric mean of the per-round ratios (both
+    targets ran each round on the same requests), with a 95 % t-interval on the log
+    ratios. With one usable round there is no interval (`low`/`high` None)."""
+
+    metric: str
+    target: str
+    base: str
+    load: str
+    ratio: float
+    low: float | None
+    high: float | None
+    rounds: int
+    higher_is_better: bool
+
+    @property
+    def separated(self) -> bool:
+        """The interval leaves out 1.0: the two targets differ on this metric."""
+        return self.low is not None and self.high is not None and (self.low > 1 or self.high < 1)
+
+    @property
+    def better(self) -> bool | None:
+        """Whether `target` is better than `base` on this metric; None when not separated."""
+        if not self.separated:
+            return None
+        return (self.ratio > 1) == self.higher_is_better
+
+    def describe(self) -> str:
+        interval = (
+            f" [{self.low:.3g}, {self.high:.3g}]"
+            if self.low is not None and self.high is not None
+            else f" ({self.rounds} round, no interval)"
+        )
+        return f"{self.metric} {self.ratio:.2f}×{interval}"
+
+
+def ratio_interval(ratios: Sequence[float]) -> tuple[float, float | None, float | None]:
+    """Geometric mean of `ratios` (all > 0) and its 95 % t-interval (None for one ratio)."""
+    if not ratios:
+        raise ValueError("no ratios")
+    logs = [math.log(r) for r in ratios]
+    n = len(logs)
+    mean = sum(logs) / n
+    if n < 2:
+        return math.exp(mean), None, None
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
+    half = t_critical(n - 1) * sd / math.sqrt(n)
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def round_summaries(run: TargetRun) -> dict[int, TargetSummary]:
+    """Each round of `run` summarized on its own, by round index."""
+    return {record.index: summarize(run.round_run(record)) for record in run.rounds}
+
+
+def compare_runs(
+    run: TargetRun, base: TargetRun, metrics: Sequence[Metric] = RATIO_METRICS
+) -> list[RatioEstimate]:
+    """Per metric, `run` over `base` paired round by round (rounds where either has no
+    value, or a zero base, are left out)."""
+    mine, theirs = round_summaries(run), round_summaries(base)
+    estimates = []
+    for metric in metrics:
+        ratios = []
+        for index, summary in mine.items():
+            other = theirs.get(index)
+            if other is None:
+                continue
+            value, reference = metric.value(summary), metric.value(other)
+            if value is None or reference is None or value <= 0 or reference <= 0:
+                continue
+            ratios.append(value / reference)
+        if not ratios:
+            continue
+        ratio, low, high = ratio_interval(ratios)
+        estimates.append(
+            RatioEstimate(
+                metric=metric.name,
+                target=run.target.name,
+                base=base.target.name,
+                load=run.point.label,
+                ratio=ratio,
+                low=low,
+                high=high,
+                rounds=len(ratios),
+                higher_is_better=metric.higher_is_better,
+            )
+        )
+    return estimates
+
+
+def sample_warnings(
+    run: TargetRun, base: TargetRun, estimates: Sequence[RatioEstimate]
+) -> list[str]:
+    """Why these numbers may not tell `run` and `base` apart."""
+    lines = []
+    label = f"{run.target.name} vs {base.target.name} at {run.point.label}"
+    rounds = min(len(run.rounds), len(base.rounds))
+    if rounds < 2:
+        lines.append(f"{label}: {rounds} round, so no confidence interval; use --rounds 3 or more")
+    vague = [e.metric for e in estimates if e.low is not None and not e.separated]
+    if vague:
+        lines.append(
+            f"{label}: the sample is too small to separate them on {', '.join(vague)} "
+            f"(95 % interval spans 1.0 over {rounds} rounds); run more rounds or requests"
+        )
+    smallest = min(
+        (sum(1 for r in record.results if r.ok) for record in (*run.rounds, *base.rounds)),
+        default=0,
+    )
+    if 0 < smallest < SMALL_ROUND:
+        lines.append(
+            f"{label}: a round has only {smallest} successful requests, so its p99 is "
+            "about its slowest request"
+        )
+    return lines

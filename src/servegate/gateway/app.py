@@ -73,6 +73,7 @@ from servegate.gateway.probes import ProbeServer
 from servegate.gateway.proxy import Proxy, forward_headers
 from servegate.gateway.retry import RetryBudget
 from servegate.gateway.tenants import Tenant, TenantTable
+from servegate.gateway.ui import DecisionLog, add_ui_routes
 from servegate.pool.pool import Pool
 from servegate.scaleout.report import add_scaleout_routes
 from servegate.scaleout.wiring import start_scaleout
@@ -117,6 +118,8 @@ class Gateway:
     reloader: ConfigReloader | None = None
     tenants: TenantTable = field(default_factory=lambda: TenantTable([]))
     """Accepted keys and their tenants; rebuilt on reload."""
+    decisions: DecisionLog = field(default_factory=DecisionLog)
+    """The latest scheduling decisions, for the status page (`/ui`)."""
 
     def pool_runtimes(self) -> tuple[PoolRuntime, ...]:
         """Every pool's runtime (`.pool`, `.scheduler`, …); the first is the default."""
@@ -368,6 +371,7 @@ async def _inference(
         if rt.latency is not None:  # predicted latency into the record; learned at the end
             ticket = rt.latency.dispatch(llm, decision, record, cycle, started)
         rt.scheduler.pre_request(llm, decision, now)
+        gw.decisions.record(rt.name, llm, decision, now)
         extra = {"X-Request-ID": rid, QUEUE_DURATION_HEADER: queue_ms(queued_s)}
         rt.cache_routing.headers(llm, decision, extra)
         if gw.config.gateway.debug_headers:
@@ -698,6 +702,7 @@ def create_app(gw: Gateway) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", serve_openapi)
     add_admin_routes(app, GATEWAY)
+    add_ui_routes(app, GATEWAY)
     add_scaleout_routes(app, GATEWAY)
     app.router.add_post("/v1/{tail:.+}", passthrough)
     app.on_response_prepare.append(_mark_prepared)

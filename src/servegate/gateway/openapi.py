@@ -235,6 +235,18 @@ def openapi_document() -> dict[str, Any]:
             ),
             "/metrics": _plain("Prometheus metrics", "metrics", "text/plain"),
             "/openapi.json": _plain("This document", "openapi", "application/json"),
+            "/ui": _plain(
+                "Status page (HTML; wants an admin key when admin keys are set)",
+                "statusPage",
+                "text/html",
+                {"401": _error_response("Missing or wrong admin key")},
+            ),
+            "/ui/state.json": _plain(
+                "What the status page shows: endpoints, routing share, hit rate, decisions",
+                "statusState",
+                "application/json",
+                {"401": _error_response("Missing or wrong admin key")},
+            ),
             "/admin/pool": _admin("Pool state", "adminPool", "get", False),
             "/admin/pools": _admin(
                 "Every pool's state and the model rewrites", "adminPools", "get", False
