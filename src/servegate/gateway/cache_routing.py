@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client import CollectorRegistry
 
-from servegate.config import ServegateConfig
+from servegate.config import ServegateConfig, TokenizerSettings
 from servegate.datalayer.kvevents import KVEventsCollector, KVEventsManager
 from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
@@ -51,6 +51,7 @@ class CacheRouting:
         if self.kv_events is not None:
             await self.kv_events.stop()
         if self.tokenizers is not None:
+            await self.tokenizers.close()
             self.tokenizers.bind_session(None)
 
 
@@ -59,7 +60,7 @@ def build_cache_routing(
 ) -> CacheRouting:
     pool_cfg = config.pool
     per_model = {m.id: m.tokenizer for m in pool_cfg.models if m.tokenizer is not None}
-    tokenizers = RoutingTokenizers(pool_cfg.tokenizer, per_model)
+    tokenizers = RoutingTokenizers(pool_cfg.tokenizer or TokenizerSettings(), per_model)
     indexes = precise_indexes(scheduler.plugins)
     manager = None
     if indexes:
