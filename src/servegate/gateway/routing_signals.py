@@ -22,7 +22,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from servegate.datalayer.kvevents.events import AllBlocksCleared, EventBatch
@@ -234,7 +234,23 @@ class SignalsCollector(Collector):
     def __init__(self, signals: RoutingSignals) -> None:
         self._signals = signals
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        tokenizers = self._signals.tokenizers
+        if tokenizers is not None:
+            st = tokenizers.stats
+            for name, value, doc in (
+                ("requests", st.requests, "Requests that got routing token ids"),
+                ("engine_calls", st.engine_calls, "POST /tokenize calls made for routing"),
+                ("cache_hits", st.engine_cache_hits, "Prompts (or prompt chunks) answered "
+                 "from the routing tokenizer's caches"),
+                ("failures", st.engine_failures, "/tokenize calls that failed or timed out"),
+                ("engine_seconds", st.engine_ns / 1e9, "Time spent waiting for /tokenize "
+                 "(critical path and background)"),
+                ("local_seconds", st.local_ns / 1e9, "Time spent tokenising locally"),
+            ):  # fmt: skip
+                counter = CounterMetricFamily(f"servegate_routing_tokenize_{name}", doc)
+                counter.add_metric([], float(value))
+                yield counter
         s = self._signals.signals()
         family = GaugeMetricFamily(
             "servegate_routing_signal",

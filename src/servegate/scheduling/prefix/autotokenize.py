@@ -27,8 +27,10 @@ Either way a shared prefix is tokenised once, not per request:
 
 With the engine source, a prompt whose leading chunk is cached is routed on its
 cached leading ids at once; the rest is tokenised in the background for the
-prompts that will extend it. Only a prompt that starts with something new waits
-for `/tokenize` (bounded by `timeout_s`; on failure: no ids, said once).
+prompts that will extend it. Only a prompt that starts with something new waits,
+for one `/tokenize` of the whole prompt (at most `CRITICAL_TIMEOUT_S`; on failure:
+no ids, said once; after `BACKOFF_FAILURES` failures in a row no request waits for
+`BACKOFF_S`), and its chunks are tokenised in the background.
 """
 
 from __future__ import annotations
@@ -399,17 +401,22 @@ class ModelTokenizer:
         if not self.waiting_allowed():
             self._spawn(self._fill(text, add_special, missing, state, verify=None))
             return None
-        parts = await self._fetch(text, add_special, missing, state, critical=True)
-        if parts is None:
+        # a new start: one call for the whole prompt now, its chunks in the background
+        whole = await self._tokenize(
+            state,
+            {"model": self.model, "prompt": text, "add_special_tokens": add_special},
+            critical=True,
+        )
+        if whole is None:
             return None
-        for i, got in parts.items():
-            cached[i] = got
-        ids = [t for part in cached if part is not None for t in part]
-        if ids:
-            self.chars_per_token = 0.9 * self.chars_per_token + 0.1 * (len(text) / len(ids))
-        if len(plan) > 1 and self._verify_due():
-            self._spawn(self._verify_text(text, add_special, ids, state))
-        return ids
+        if whole:
+            self.chars_per_token = 0.9 * self.chars_per_token + 0.1 * (len(text) / len(whole))
+        if len(plan) > 1:
+            check = whole if self._verify_due() else None
+            self._spawn(self._fill(text, add_special, missing, state, verify=check))
+        elif self.status.chunking:
+            self.chunks.put(plan[0][0], whole)
+        return whole
 
     async def _fetch(
         self,
@@ -454,15 +461,10 @@ class ModelTokenizer:
             await self._fetch(text, add_special, todo, state)
         finally:
             self._pending.difference_update(keys)
-
-    async def _verify_text(
-        self, text: str, add_special: bool, assembled: list[int], state: EndpointState
-    ) -> None:
-        whole = await self._tokenize(
-            state, {"model": self.model, "prompt": text, "add_special_tokens": add_special}
-        )
-        if whole is not None:
-            self._check(whole, assembled, exact=True)
+        if verify is not None:
+            parts = [self.chunks.get(key) for key, _, _ in self._plan(text, add_special)]
+            if all(p is not None for p in parts):
+                self._check(verify, [t for p in parts if p is not None for t in p], exact=True)
 
     # -- chats on the engine: conversation prefixes ---------------------------------------
     def _conv_key(self, messages: Sequence[Any], gen: bool, options: bytes) -> int:
