@@ -50,6 +50,10 @@ PROFILES: dict[str, dict[str, Any] | None] = {
     "default": None,
     "llm-d-sticky": picker([("prefix-cache-scorer", 0), ("token-load-scorer", 1)], [STICKY]),
     "sticky+prefix": picker([("prefix-cache-scorer", 3), *LOAD], [STICKY]),
+    "sticky-saturated": picker(
+        [("precise-prefix-cache-scorer", 1), ("prefix-cache-scorer", 3), *LOAD],
+        [{**STICKY, "parameters": {**STICKY["parameters"], "maxInFlightRequestsDelta": 3}}],
+    ),
     "prefix-heavy": picker([("precise-prefix-cache-scorer", 1), ("prefix-cache-scorer", 6), *LOAD]),
 }
 

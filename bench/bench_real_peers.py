@@ -33,7 +33,9 @@ Workloads (all seeded; `--scale` multiplies request counts):
   assistant reply ~35 tokens), a finished one replaced by a new one, the next turn
   drawn among the active ones; 30 conversations ≈ 34k tokens in all, ≈ 2.8× the
   cluster's KV cache; the active ones ≈ 6k tokens: fits the cluster, not one server;
-- `chat-c4`: the same with 4 concurrent clients.
+- `chat-c4`: the same with 4 concurrent clients;
+- `chat-heavy`: 12 conversations active (≈ 9k tokens: three quarters of the cluster's
+  cache), 36 in all, 8 concurrent clients.
 """
 
 from __future__ import annotations
@@ -138,6 +140,8 @@ def workload(name: str, seed: int, scale: float) -> tuple[list[Item], int]:
         return chat_workload(int(30 * scale), 8, 6, 170, seed), 1
     if name == "chat-c4":
         return chat_workload(int(30 * scale), 8, 6, 170, seed), 4
+    if name == "chat-heavy":
+        return chat_workload(int(36 * scale), 12, 6, 170, seed), 8
     raise ValueError(f"unknown workload {name!r}")
 
 
