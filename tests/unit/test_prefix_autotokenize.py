@@ -331,3 +331,43 @@ async def test_a_readable_model_folder_is_used_locally(
     mt = model_tokenizer(tok)
     assert mt.status.source == "hf" and mt.status.verified >= 3 and mt.status.mismatches == 0
     assert tok.stats.engine_cache_hits > 0
+
+
+async def test_discovery_never_holds_routing_and_a_model_without_source_is_asked_again(
+    aiohttp_server: Any, session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    release = asyncio.Event()
+    has_tokenize = False
+
+    async def list_models(request: web.Request) -> web.Response:
+        await release.wait()
+        return web.json_response({"data": [{"id": "m", "root": "m"}]})
+
+    async def tokenize(request: web.Request) -> web.Response:
+        if not has_tokenize:
+            return web.json_response({"error": "not yet"}, status=404)
+        return web.json_response({"tokens": [7, 8, 9]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/tokenize", tokenize)
+    server = await aiohttp_server(app)
+    ep = EndpointState(Endpoint(address=f"127.0.0.1:{server.port}", url=str(server.make_url(""))))
+    tok = auto_tokenizers(session)
+    # /v1/models hangs: the first request routes without ids instead of waiting for it
+    assert await ids_of(tok, completion("first words", "r1"), ep) is None
+    mt = model_tokenizer(tok)
+    assert mt.status.source == "pending"
+    release.set()
+    with caplog.at_level(logging.WARNING):
+        await settle(tok)
+        assert mt.status.source == "chars"  # no /tokenize yet
+        assert await ids_of(tok, completion("more words", "r2"), ep) is None
+    # later the replica answers /tokenize: the model is asked again and learns it
+    has_tokenize = True
+    mt._rediscover_at = 0.0
+    await ids_of(tok, completion("again words", "r3"), ep)
+    await settle(tok)
+    assert mt.status.source == "engine"
+    assert await ids_of(tok, completion("last words", "r4"), ep) == [7, 8, 9]
+    assert len([r for r in caplog.records if "none (" in r.getMessage()]) == 1

@@ -68,6 +68,10 @@ CHUNK_CHARS = 512
 VERIFY_FIRST = 4
 VERIFY_EVERY = 256
 DISCOVERY_TIMEOUT_S = 3.0
+DISCOVERY_WAIT_S = 0.5
+"""The longest a model's first request waits for its source to be learned."""
+REDISCOVER_S = 60.0
+"""A model left without a source (`chars`) is asked again after this long."""
 CRITICAL_TIMEOUT_S = 0.5
 """The longest a request waits for `/tokenize` (the `timeout_s` setting, if lower)."""
 BACKOFF_FAILURES = 3
@@ -164,18 +168,23 @@ class ModelTokenizer:
         self.chars_per_token = 4.0
         self._failures_in_row = 0
         self._skip_until = 0.0
+        self._rediscover_at = float("inf")
 
     # -- discovery -----------------------------------------------------------------------
     async def discover(self, candidates: Sequence[EndpointState]) -> None:
+        """Learn the source in the background; a request waits for it `DISCOVERY_WAIT_S` at
+        most (then it routes without ids, and the next ones use what was learned)."""
         if self._ready.is_set():
             return
-        if self._discovering:
-            try:
-                await asyncio.wait_for(self._ready.wait(), DISCOVERY_TIMEOUT_S)
-            except TimeoutError:
-                pass
-            return
-        self._discovering = True
+        if not self._discovering:
+            self._discovering = True
+            self._spawn(self._discover_bounded(list(candidates)))
+        try:
+            await asyncio.wait_for(self._ready.wait(), DISCOVERY_WAIT_S)
+        except TimeoutError:
+            pass
+
+    async def _discover_bounded(self, candidates: Sequence[EndpointState]) -> None:
         try:
             await asyncio.wait_for(self._discover(candidates), DISCOVERY_TIMEOUT_S * 2)
         except TimeoutError:
@@ -184,17 +193,25 @@ class ModelTokenizer:
             if not self._ready.is_set():
                 self._settle("chars", "discovery failed")
             self._discovering = False
+            if self.status.source == "chars":
+                self._rediscover_at = time.monotonic() + REDISCOVER_S
+
+    def _maybe_rediscover(self) -> None:
+        """A model found without a source is asked again now and then (a replica that
+        was down, or started later)."""
+        if self.status.source == "chars" and time.monotonic() >= self._rediscover_at:
+            self._rediscover_at = float("inf")
+            self._ready.clear()
 
     def _settle(self, source: str, detail: str) -> None:
         self.status.source = source
         self.status.detail = detail
         self._ready.set()
         if source == "chars":
-            log.warning(
-                "routing tokenizer for model %r: none (%s); prefix routing hashes characters, "
-                "which do not line up with the engine's token blocks",
-                self.model,
-                detail,
+            self.warn_once(
+                "no-source",
+                f"routing tokenizer for model {self.model!r}: none ({detail}); prefix routing "
+                "hashes characters, which do not line up with the engine's token blocks",
             )
         else:
             log.info("routing tokenizer for model %r: %s (%s)", self.model, source, detail)
@@ -542,6 +559,7 @@ class ModelTokenizer:
     async def ids(
         self, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> list[int] | None:
+        self._maybe_rediscover()
         if not self._ready.is_set():
             await self.discover(candidates)
         source = self.status.source
