@@ -275,6 +275,44 @@ async def peer_router(
             await proc.wait()
 
 
+STICKY_SATURATED: dict[str, Any] = {
+    "apiVersion": "llm-d.ai/v1alpha1",
+    "kind": "EndpointPickerConfig",
+    "plugins": [
+        {
+            "type": "prefix-cache-affinity-filter",
+            "parameters": {
+                "maxInFlightRequestsDelta": 3,
+                "prefixMatchInfoProducerName": "prefix-cache-scorer",
+            },
+        },
+        {"type": "precise-prefix-cache-scorer"},
+        {"type": "prefix-cache-scorer"},
+        {"type": "queue-scorer"},
+        {"type": "kv-cache-utilization-scorer"},
+        {"type": "active-request-scorer"},
+        {"type": "max-score-picker"},
+    ],
+    "schedulingProfiles": [
+        {
+            "name": "default",
+            "plugins": [
+                {"pluginRef": "prefix-cache-affinity-filter"},
+                {"pluginRef": "precise-prefix-cache-scorer", "weight": 1},
+                {"pluginRef": "prefix-cache-scorer", "weight": 3},
+                {"pluginRef": "queue-scorer", "weight": 2},
+                {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
+                {"pluginRef": "active-request-scorer", "weight": 2},
+                {"pluginRef": "max-score-picker"},
+            ],
+        }
+    ],
+}
+"""`servegate-sticky`: the default's scorers behind an affinity filter that keeps the
+replicas holding the prefix until one holds 3 more requests in flight than the least
+loaded (a candidate for placement under cache pressure, cache-routing.md)."""
+
+
 def servegate_config(target: str, urls: Sequence[str]) -> dict[str, Any]:
     config: dict[str, Any] = {
         "gateway": {"host": "127.0.0.1", "port": 0},
@@ -282,6 +320,8 @@ def servegate_config(target: str, urls: Sequence[str]) -> dict[str, Any]:
     }
     if target == "round-robin":
         config["picker"] = picker_config((), "round-robin-picker")
+    elif target == "servegate-sticky":
+        config["picker"] = STICKY_SATURATED
     return config
 
 

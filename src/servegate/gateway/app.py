@@ -271,13 +271,18 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         model_labels = (llm.model, llm.target_model)
         series = gw.metrics.objective(llm.model, llm.target_model)
         series.running.inc()
+        # routing token ids before admission: a tokenizer may await (`/tokenize`), and
+        # nothing may await between admission and dispatch, or a burst would pass
+        # flow control before any of it counts as in flight
+        early = rt.pool.candidates(llm.base_model, time.monotonic(), llm.lora)
+        if early:
+            await rt.cache_routing.prepare(llm, early)
         queued_s = await rt.admission.admit(llm, len(body))
         admitted = True
         now = time.monotonic()
         candidates = rt.pool.candidates(llm.base_model, now, llm.lora)
         if not candidates:
             raise NoEndpoints(f"no ready endpoint serves model `{llm.target_model}`")
-        await rt.cache_routing.prepare(llm, candidates)
         t0 = time.perf_counter()
         try:
             decision = rt.scheduler.schedule(llm, candidates, CycleState(now=now, rng=gw.rng))
