@@ -137,3 +137,28 @@ def test_replicas_sharing_a_host_are_not_auto_subscribed() -> None:
 def test_a_configured_tokenizer_is_reported() -> None:
     routing, _, _ = setup(tokenizer={"source": "simulator"})
     assert routing.signals.signals()["tokenizer"]["*"]["source"].startswith("servegate-builtin")
+
+
+def test_a_publisher_sending_garbage_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    from servegate.datalayer.kvevents.transport import SubscriberStats
+
+    routing, _, _ = setup()
+    manager = routing.kv_events
+    assert manager is not None
+
+    class Stub:
+        def __init__(self, stats: SubscriberStats) -> None:
+            self.stats = stats
+
+    garbage = SubscriberStats(messages=5)
+    garbage.drop("bad-payload", 5)
+    manager.subscribers[A] = Stub(garbage)  # type: ignore[assignment]
+    manager.subscribers[B] = Stub(SubscriberStats(messages=3, batches=3))  # type: ignore[assignment]
+    signals = routing.signals
+    assert signals is not None
+    with caplog.at_level(logging.WARNING):
+        signals.check()
+        signals.check()
+    said = [r.getMessage() for r in caplog.records if "none decode" in r.getMessage()]
+    assert len(said) == 1 and A in said[0] and B not in said[0]
+    assert signals.signals()["endpoints"][B]["kv_events"]["receiving"] is True

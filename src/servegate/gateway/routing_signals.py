@@ -179,6 +179,13 @@ class RoutingSignals:
                 f"{', '.join(precise)} cannot contribute for model(s) {', '.join(no_ids)}: no "
                 "routing token ids (set the pool's `tokenizer`)"
             )
+        for address, e in endpoints.items():
+            kv = e["kv_events"]
+            if kv.get("dropped") and not kv.get("batches"):
+                out.append(
+                    f"KV events from {address} ({kv.get('kv_events')}) arrive but none "
+                    f"decode ({kv['dropped']} dropped so far); {', '.join(precise)} ignores them"
+                )
         receiving = [a for a, e in endpoints.items() if e["kv_events"].get("receiving")]
         if endpoints and not receiving:
             out.append(
