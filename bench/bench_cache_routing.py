@@ -107,6 +107,13 @@ STICKY = {
     "type": "prefix-cache-affinity-filter",
     "parameters": {"prefixMatchInfoProducerName": "prefix-cache-scorer"},
 }
+SATURATING = {
+    "type": "prefix-cache-affinity-filter",
+    "parameters": {
+        "maxInFlightRequestsDelta": 3,
+        "prefixMatchInfoProducerName": "prefix-cache-scorer",
+    },
+}
 SATURATION = {"type": "utilization-detector", "parameters": {"metricsStalenessThreshold": "2s"}}
 SPECULATIVE = {"precise-prefix-cache-scorer": {"speculativeIndexing": True}}
 PROFILES = {
@@ -173,6 +180,20 @@ PROFILES = {
         Profile("candidate-h", picker(CANDIDATE_H), tokenizer=True, kv_events=True),
         Profile("candidate-i-bare", picker(CANDIDATE_I)),
         Profile("candidate-i", picker(CANDIDATE_I), tokenizer=True, kv_events=True),
+        Profile(
+            "prefix-heavy-bare",
+            picker([("precise-prefix-cache-scorer", 1), ("prefix-cache-scorer", 6), *LOAD]),
+        ),
+        Profile(
+            "sticky-approx-bare", picker([("prefix-cache-scorer", 3), *LOAD], filters=[STICKY])
+        ),
+        Profile(
+            "sticky-saturated-bare",
+            picker(
+                [("precise-prefix-cache-scorer", 1), ("prefix-cache-scorer", 3), *LOAD],
+                filters=[SATURATING],
+            ),
+        ),
         Profile("default-bare", None),
         Profile("default", None, tokenizer=True, kv_events=True),
     ]

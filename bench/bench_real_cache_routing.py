@@ -15,6 +15,9 @@ server) can keep every prefix cached.
 The same requests go through, in turn:
 
 - `round-robin`: a gateway with `round-robin-picker`;
+- `zero-config`: a gateway with only the endpoint URLs (what `servegate serve
+  --endpoint …` gives: the default profile, `tokenizer: auto`, which finds the
+  model folder through `/v1/models`; no KV events, as the servers share a host);
 - `default`: a gateway with the default profile, the pool's `tokenizer: {source:
   hf}` pointed at the model folder and every endpoint's KV events (the precise
   index is fed by the servers themselves);
@@ -52,7 +55,7 @@ from servegate.testing.tinymodel import TinyModel, build_tiny_model
 from servegate.testing.vllm_cluster import ClusterSettings, VllmCluster
 
 MODEL = "tiny"
-POLICIES = ("round-robin", "default", "oracle")
+POLICIES = ("round-robin", "zero-config", "default", "oracle")
 WORDS = (
     "alpha", "beta", "gamma", "delta", "kappa", "lambda", "sigma", "omega",
     "river", "stone", "cloud", "field", "north", "south", "east", "west",
@@ -190,7 +193,9 @@ def gateway_config(policy: str, cluster: VllmCluster, model: TinyModel) -> dict[
         "log_level": "info",
     }
     for server in cluster:
-        endpoint: dict[str, Any] = {"url": server.url, "model": MODEL}
+        endpoint: dict[str, Any] = {"url": server.url}
+        if policy != "zero-config":
+            endpoint["model"] = MODEL
         if policy == "default":
             endpoint["kv_events"] = server.kv_connect
         endpoints.append(endpoint)
@@ -198,6 +203,9 @@ def gateway_config(policy: str, cluster: VllmCluster, model: TinyModel) -> dict[
         config["picker"] = picker_config((), "round-robin-picker")
     elif policy == "default":
         pool["tokenizer"] = {"source": "hf", "path": str(model.model_dir)}
+    elif policy == "zero-config":
+        del pool["scrape_interval_s"]
+        del config["gateway"]["seed"]
     else:
         raise ValueError(f"no gateway for policy {policy!r}")
     return config

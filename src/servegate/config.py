@@ -215,17 +215,20 @@ class EndpointConfig(_Strict):
 
 class TokenizerSettings(_Strict):
     """How the gateway turns a request into the token ids the engine will see (for
-    precise prefix routing): a HuggingFace folder (`hf`, with its chat template),
-    the engine's own `/tokenize` (`engine`, cached per body, `fallback` on failure),
-    the simulator's built-in tokenizer (`simulator`), or no ids (`chars`)."""
+    prefix routing): learned per model from the replicas (`auto`, the default: the
+    model folder named by `/v1/models` when readable, else the engine's `/tokenize`,
+    prefix-cached), a HuggingFace folder (`hf`, with its chat template), the engine's
+    own `/tokenize` (`engine`, cached per body, `fallback` on failure), the
+    simulator's built-in tokenizer (`simulator`), or no ids (`chars`)."""
 
-    source: Literal["hf", "engine", "simulator", "chars"] = "chars"
+    source: Literal["auto", "hf", "engine", "simulator", "chars"] = "auto"
     path: str | None = None
     """The HuggingFace tokenizer folder (tokenizer.json, tokenizer_config.json)."""
     fallback: Literal["hf", "simulator", "chars"] = "chars"
     """For `engine`: what to use when `/tokenize` fails or times out."""
     cache_size: int = Field(8192, ge=0)
-    """For `engine`: request bodies whose token ids are remembered."""
+    """For `engine`: request bodies whose token ids are remembered; for `auto`: prompt
+    chunks and conversation prefixes."""
     timeout_s: PositiveFloat = 2.0
     """For `engine`: the longest a `/tokenize` call may take."""
 
@@ -291,7 +294,8 @@ class PoolSettings(_Strict):
     engines: tuple[dict[str, Any], ...] = ()
     """User-defined engines, llm-d `engineConfigs` shape."""
     tokenizer: TokenizerSettings | None = None
-    """Tokenisation for routing, for every model without its own; None = none."""
+    """Tokenisation for routing, for every model without its own; None = `source: auto`
+    (`{source: chars}` turns it off)."""
     kv_events: KVEventsPoolSettings = KVEventsPoolSettings()
     discovery: DiscoverySettings = StaticDiscoverySettings()
     """`static`: `endpoints` only; `kubernetes`: also follow pods (see pool/discovery/settings.py)."""

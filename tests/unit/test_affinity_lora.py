@@ -53,3 +53,33 @@ CYCLE = CycleState(now=0.0, rng=random.Random(0))
 def test_lora_affinity(endpoint: EndpointState, score: float) -> None:
     request = LLMRequest("r", RequestKind.COMPLETION, "a1", "a1", "tiny", lora="a1")
     assert LoraAffinityScorer().score(CYCLE, request, [endpoint]) == [score]
+
+
+def _named(address: str, lora: LoraInfo | None) -> EndpointState:
+    s = EndpointState(
+        Endpoint(address=address, url=f"http://{address}"),
+        served_models=frozenset({"tiny", "a1", "a2", "a3"}),
+    )
+    s.metrics.lora = lora
+    s.metrics.scraped_at = 1.0
+    return s
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_default_profile_sends_an_adapter_request_where_the_adapter_runs(seed: int) -> None:
+    from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
+    from servegate.scheduling.registry import PluginContext
+
+    scheduler = load_picker_config(DEFAULT_PICKER_CONFIG, PluginContext())
+    endpoints = [
+        _named("a:1", LoraInfo(2, frozenset({"a2", "a3"}))),  # both slots taken by others
+        _named("b:1", LoraInfo(2, frozenset({"a1"}))),  # a1 running
+        _named("c:1", LoraInfo(2, frozenset({"a2"}))),  # a slot free
+    ]
+    adapter = LLMRequest("r", RequestKind.COMPLETION, "a1", "a1", "tiny", lora="a1", prompt="x")
+    cycle = CycleState(now=1.0, rng=random.Random(seed))
+    assert scheduler.schedule(adapter, endpoints, cycle).endpoint.address == "b:1"
+    base = LLMRequest("r", RequestKind.COMPLETION, "tiny", "tiny", "tiny", prompt="x")
+    result = scheduler.schedule(base, endpoints, cycle).results["default"]
+    lora = {a: row["lora-affinity-scorer"] for a, row in result.scores.items()}
+    assert len(set(lora.values())) == 1, lora

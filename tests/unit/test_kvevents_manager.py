@@ -152,3 +152,41 @@ async def test_a_manager_without_indexes_starts_nothing() -> None:
     await manager.start()
     assert manager.subscribers == {}
     await manager.stop()
+
+
+async def test_auto_subscribes_replicas_alone_on_their_host_and_follows_the_pool() -> None:
+    """llm-d's convention (port 5557) only while a replica is the one pool member on its host."""
+    pool = Pool()
+    pool.add(endpoint("127.0.0.2:8000"))
+    pool.add(endpoint("127.0.0.3:8000"))
+    manager = KVEventsManager(pool, [Index()], KVEventsSettings(port=5557, auto=True))
+    await manager.start()
+    try:
+        assert set(manager.subscribers) == {"127.0.0.2:8000", "127.0.0.3:8000"}
+        # a second replica on 127.0.0.2: neither can own port 5557 there
+        pool.add(endpoint("127.0.0.2:8001"))
+        assert set(manager.subscribers) == {"127.0.0.3:8000"}
+        # it leaves: the first one is alone again and subscribed again
+        pool.remove("127.0.0.2:8001")
+        assert set(manager.subscribers) == {"127.0.0.2:8000", "127.0.0.3:8000"}
+        status = manager.status()
+        assert status["127.0.0.2:8000"]["kv_events"] == "tcp://127.0.0.2:5557"
+        assert status["127.0.0.2:8000"]["receiving"] is False
+    finally:
+        await manager.stop()
+
+
+def test_auto_drops_batches_whose_topic_names_another_replica() -> None:
+    from servegate.datalayer.kvevents.manager import _EndpointSink
+    from servegate.datalayer.kvevents.transport import SubscriberStats
+
+    index = Index()
+    stats = SubscriberStats()
+    sink = _EndpointSink("127.0.0.2:8000", [index], check_topic=True, stats=stats)
+    batch = EventBatch(0.0, [])
+    sink.apply(b"kv@127.0.0.9:8000@m", batch)
+    sink.reset(b"kv@127.0.0.9:8000@m")
+    sink.apply(b"kv@127.0.0.2:8000@m", batch)
+    sink.apply(b"", batch)  # vLLM's default topic names nobody: kept
+    assert [a for a, _ in index.applied] == ["127.0.0.2:8000", "127.0.0.2:8000"]
+    assert index.cleared == [] and stats.dropped == {"foreign-topic": 2}

@@ -61,6 +61,7 @@ def test_default_picker_config() -> None:
                 ("queue-scorer", 2.0),
                 ("kv-cache-utilization-scorer", 2.0),
                 ("active-request-scorer", 2.0),
+                ("lora-affinity-scorer", 1.0),
             ],
             "max-score-picker",
         )

@@ -380,7 +380,12 @@ def test_bad_durations(text: str) -> None:
             KVEventsSettings(bind_endpoint="tcp://*:5557", topic_filter="kv@"),
             id="llm-d-global-socket",
         ),
-        pytest.param(KVEventsPoolSettings(), {}, KVEventsSettings(), id="nothing-configured"),
+        pytest.param(
+            KVEventsPoolSettings(),
+            {},
+            KVEventsSettings(port=5557, auto=True),
+            id="nothing-configured-llm-d-convention",
+        ),
     ],
 )
 def test_transport_settings(

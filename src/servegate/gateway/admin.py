@@ -1,7 +1,7 @@
 """Operator routes: the pool's state, and draining an endpoint, behind their own key.
 
     GET  /admin/pool                          the default pool: endpoints, passive health,
-                                              flow control
+                                              flow control, routing signals
     GET  /admin/pools                         every pool, and the model rewrites
     POST /admin/endpoints/{address}/drain     take no new requests, finish what it has
     POST /admin/endpoints/{address}/undrain
@@ -104,6 +104,9 @@ def runtime_state(runtime: PoolRuntime, now: float | None = None) -> dict[str, A
         "ready_endpoints": pool.ready_count(t),
         "endpoints": endpoints,
     }
+    signals = runtime.cache_routing.signals
+    if signals is not None:
+        out["routing_signals"] = signals.signals()
     admission = runtime.admission
     if admission is not None:
         controller = admission.controller

@@ -333,6 +333,12 @@ async def _inference(
         if max_priority is not None and llm.priority > max_priority:
             llm.priority = max_priority
         series = gw.metrics.start(llm.model, llm.target_model, llm.fairness_id, llm.priority)
+        # routing token ids before admission: a tokenizer may await (`/tokenize`), and
+        # nothing may await between admission and dispatch, or a burst would pass
+        # flow control before any of it counts as in flight
+        early = rt.pool.candidates(llm.base_model, time.monotonic(), llm.lora)
+        if early:
+            await rt.cache_routing.prepare(llm, early)
         queued_s = await rt.admission.admit(llm, len(body), max_priority)
         admitted = True
         now = time.monotonic()
@@ -346,7 +352,8 @@ async def _inference(
                 )
         if not candidates:
             raise NoEndpoints(f"no ready endpoint serves model `{llm.target_model}`")
-        await rt.cache_routing.prepare(llm, candidates)
+        if not early:
+            await rt.cache_routing.prepare(llm, candidates)
         if rt.latency is not None:  # SLO admission (latency-slo-admitter): may wait, or shed
             pool, base, lora = rt.pool, llm.base_model, llm.lora
             fresh = await rt.latency.admit(

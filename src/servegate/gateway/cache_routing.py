@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client import CollectorRegistry
 
-from servegate.config import ServegateConfig
+from servegate.config import ServegateConfig, TokenizerSettings
 from servegate.datalayer.kvevents import KVEventsCollector, KVEventsManager
+from servegate.gateway.routing_signals import IndexJanitor, RoutingSignals, SignalsCollector
 from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
 from servegate.scheduling.affinity import ResponseHeaders
@@ -32,6 +33,8 @@ class CacheRouting:
     tokenizers: RoutingTokenizers | None = None
     kv_events: KVEventsManager | None = None
     header_plugins: tuple[ResponseHeaders, ...] = field(default_factory=tuple)
+    signals: RoutingSignals | None = None
+    janitor: IndexJanitor | None = None
 
     async def prepare(self, request: LLMRequest, candidates: Sequence[EndpointState]) -> None:
         if self.tokenizers is not None:
@@ -46,11 +49,16 @@ class CacheRouting:
             self.tokenizers.bind_session(session)
         if self.kv_events is not None:
             await self.kv_events.start()
+        if self.signals is not None:
+            self.signals.start()
 
     async def stop(self) -> None:
+        if self.signals is not None:
+            await self.signals.stop()
         if self.kv_events is not None:
             await self.kv_events.stop()
         if self.tokenizers is not None:
+            await self.tokenizers.close()
             self.tokenizers.bind_session(None)
 
 
@@ -59,17 +67,27 @@ def build_cache_routing(
 ) -> CacheRouting:
     pool_cfg = config.pool
     per_model = {m.id: m.tokenizer for m in pool_cfg.models if m.tokenizer is not None}
-    tokenizers = RoutingTokenizers(pool_cfg.tokenizer, per_model)
+    tokenizers = RoutingTokenizers(pool_cfg.tokenizer or TokenizerSettings(), per_model)
     indexes = precise_indexes(scheduler.plugins)
+    janitor = IndexJanitor(pool, scheduler.plugins)
     manager = None
     if indexes:
         manager = KVEventsManager(
-            pool, list(indexes.values()), kv_events_settings(scheduler.plugins, pool_cfg.kv_events)
+            pool,
+            [*indexes.values(), janitor],
+            kv_events_settings(scheduler.plugins, pool_cfg.kv_events),
         )
         registry.register(KVEventsCollector(manager.stats, indexes))
     headers = tuple(p for p in scheduler.plugins.values() if isinstance(p, ResponseHeaders))
+    active = tokenizers if tokenizers.active else None
+    signals = None
+    if janitor.approx or janitor.precise:
+        signals = RoutingSignals(pool, scheduler, active, manager)
+        registry.register(SignalsCollector(signals))
     return CacheRouting(
-        tokenizers=tokenizers if tokenizers.active else None,
+        tokenizers=active,
         kv_events=manager,
         header_plugins=headers,
+        signals=signals,
+        janitor=janitor,
     )

@@ -65,6 +65,7 @@ plugins:
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
 - type: active-request-scorer
+- type: lora-affinity-scorer
 - type: max-score-picker
 schedulingProfiles:
 - name: default
@@ -74,6 +75,7 @@ schedulingProfiles:
   - {pluginRef: queue-scorer, weight: 2}
   - {pluginRef: kv-cache-utilization-scorer, weight: 2}
   - {pluginRef: active-request-scorer, weight: 2}
+  - {pluginRef: lora-affinity-scorer, weight: 1}
   - {pluginRef: max-score-picker}
 """
 """The picker config used when none is given, chosen by measurement
@@ -91,6 +93,9 @@ Because the load scorers can outvote a full prefix match (6 > 4), a popular
 prefix spreads to more replicas when its replica is the busiest on every load
 signal, instead of pinning one replica at saturation; with the load roughly
 even, the prefix match decides. No filter: every replica stays a fallback.
+`lora-affinity-scorer` (weight 1) only speaks for requests that name an adapter
+(it scores every replica 1.0 for the base model): a replica already running the
+adapter, then one with a free adapter slot.
 """
 
 KNOWN_UNIMPLEMENTED: dict[str, str] = {

@@ -6,6 +6,12 @@ socket likewise (`kv_events_replay`, or the pool's replay port). With a bind
 endpoint (`tcp://*:5557`, llm-d's global socket mode) one SUB socket receives
 every replica's batches and the topic's `@<host:port>@` part says whose they are.
 
+Nothing configured (`auto`): llm-d's convention, `tcp://<replica host>:5557`, for
+every replica that is the only pool member on its host (several replicas on one
+host cannot all publish on one port, so they need their own `kv_events`). A
+missing publisher costs one idle SUB socket that ZeroMQ keeps reconnecting; a
+batch whose topic names another replica (`kv@<host:port>@…`) is dropped.
+
 Batches go to every `BlockIndex` (one per precise prefix scorer). A replica
 removed from the pool loses its subscriber and its blocks.
 
@@ -73,6 +79,12 @@ class KVEventsSettings:
     allow_unauthenticated_bind: bool = False
     """Run a bind socket without `curve`: messages are accepted only from the TCP address of
     the pool member their topic names. Without this (or `curve`) bind mode stays off."""
+    auto: bool = False
+    """Nothing configured: `port` is llm-d's convention, used for replicas alone on their
+    host, and a topic that names another replica is dropped."""
+
+
+AUTO_PORT = 5557
 
 
 def _host(endpoint: str) -> str | None:
@@ -91,17 +103,39 @@ def address_of_topic(topic: bytes) -> str | None:
 
 
 class _EndpointSink:
-    __slots__ = ("address", "indexes")
+    __slots__ = ("address", "check_topic", "indexes", "stats")
 
-    def __init__(self, address: str, indexes: Sequence[BlockIndex]) -> None:
+    def __init__(
+        self,
+        address: str,
+        indexes: Sequence[BlockIndex],
+        check_topic: bool = False,
+        stats: SubscriberStats | None = None,
+    ) -> None:
         self.address = address
         self.indexes = indexes
+        self.check_topic = check_topic
+        self.stats = stats
+
+    def _foreign(self, topic: bytes) -> bool:
+        if not self.check_topic:
+            return False
+        named = address_of_topic(topic)
+        if named is None or named == self.address:
+            return False
+        if self.stats is not None:
+            self.stats.drop("foreign-topic")
+        return True
 
     def apply(self, topic: bytes, batch: EventBatch) -> None:
+        if self._foreign(topic):
+            return
         for index in self.indexes:
             index.apply(self.address, batch)
 
     def reset(self, topic: bytes) -> None:
+        if self._foreign(topic):
+            return
         for index in self.indexes:
             index.clear(self.address)
 
@@ -208,10 +242,42 @@ class KVEventsManager:
         if s.port is None or s.bind_endpoint is not None:
             return None
         host = endpoint.host
+        if s.auto and self._shares_host(endpoint):
+            return None
         replay = endpoint.kv_events_replay
         if replay is None and s.replay_port is not None:
             replay = f"tcp://{host}:{s.replay_port}"
         return f"tcp://{host}:{s.port}", replay
+
+    def _shares_host(self, endpoint: Endpoint) -> bool:
+        return any(
+            st.endpoint.host == endpoint.host and st.address != endpoint.address for st in self.pool
+        )
+
+    def status(self) -> dict[str, dict[str, object]]:
+        """Per replica: where its KV events come from and whether any arrived."""
+        out: dict[str, dict[str, object]] = {}
+        bind = self.settings.bind_endpoint
+        for state in self.pool:
+            resolved = self.resolve(state.endpoint)
+            sub = self.subscribers.get(state.address)
+            if resolved is None and bind is None:
+                why = "shares its host; set its kv_events" if self.settings.auto else "none"
+                out[state.address] = {"kv_events": why, "receiving": False}
+                continue
+            url = resolved[0] if resolved is not None else bind
+            stats = sub.stats if sub is not None else None
+            if stats is None and bind is not None:
+                bound = self.subscribers.get(bind)
+                stats = bound.stats if bound is not None else None
+            out[state.address] = {
+                "kv_events": url,
+                "auto": self.settings.auto and state.endpoint.kv_events is None,
+                "receiving": bool(stats is not None and stats.batches > 0),
+                "batches": 0 if stats is None else stats.batches,
+                "dropped": 0 if stats is None else sum(stats.dropped.values()),
+            }
+        return out
 
     async def start(self) -> None:
         if self._running or not self.indexes:
@@ -294,6 +360,19 @@ class KVEventsManager:
             self._unwatch(state.address)
             for index in self.indexes:
                 index.clear(state.address)
+        if self.settings.auto:
+            # a replica alone on its host gains or loses the conventional port
+            for other in self.pool:
+                if other.endpoint.host != state.endpoint.host or other is state:
+                    continue
+                if other.endpoint.kv_events is not None:
+                    continue
+                has = other.address in self.subscribers
+                if self.resolve(other.endpoint) is None:
+                    if has:
+                        self._unwatch(other.address)
+                elif not has:
+                    self._watch(other.endpoint)
 
     def _watch(self, endpoint: Endpoint) -> None:
         resolved = self.resolve(endpoint)
@@ -305,10 +384,18 @@ class KVEventsManager:
         keys = self.keys
         if not bound and not self._curve_connects:
             keys = None
+        stats = SubscriberStats()
+        sink = _EndpointSink(
+            endpoint.address,
+            self.indexes,
+            check_topic=self.settings.auto and endpoint.kv_events is None,
+            stats=stats,
+        )
         subscriber = KVEventSubscriber(
             self._context,
             url,
-            _EndpointSink(endpoint.address, self.indexes),
+            sink,
+            stats=stats,
             replay_endpoint=replay,
             topic_filter=self.settings.topic_filter,
             replay_timeout_s=self.settings.replay_timeout_s,

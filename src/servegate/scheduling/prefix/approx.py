@@ -34,6 +34,8 @@ from servegate.scheduling.request import LLMRequest
 
 CHARS_PER_TOKEN = 4
 HASHES_KEY = "prefix.approx.hashes"
+PARTIAL_KEY = "token_ids_partial"
+"""`token_ids` are those of a leading part of the prompt; `prompt_tokens` estimates the whole."""
 
 InsertHook = Callable[[str, Sequence[int], int | None], None]
 """`hook(address, keys, capacity)` after a routing decision inserts into the index."""
@@ -260,11 +262,27 @@ class PrefixCacheScorer:
             keys = token_block_hashes(
                 tokens, p.block_size_tokens, seed, p.max_prefix_blocks_to_match
             )
+            if request.cache.get(PARTIAL_KEY):
+                keys = self._pad(request, keys)
         else:
             chars = p.chars_per_block()
             keys = char_block_hashes(request.prompt, chars, seed, p.max_prefix_blocks_to_match)
         request.cache[cache_key] = keys
         return keys
+
+    def _pad(self, request: LLMRequest, keys: list[int]) -> list[int]:
+        """Ids of a cached leading part only: the rest of the prompt still fills the replica's
+        cache, so it gets keys of its own (from the request id) that no other prompt shares."""
+        p = self.params
+        total = min(request.prompt_tokens // p.block_size_tokens, p.max_prefix_blocks_to_match)
+        if total <= len(keys):
+            return keys
+        out = list(keys)
+        prev = xxhash.xxh3_64_intdigest(request.request_id.encode(), out[-1] if out else 0)
+        for _ in range(total - len(keys)):
+            prev = xxhash.xxh3_64_intdigest(b"pad", prev)
+            out.append(prev)
+        return out
 
     def score(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]

@@ -43,7 +43,7 @@ from servegate.datalayer.kvevents.events import (
     BlockStored,
     EventBatch,
 )
-from servegate.datalayer.kvevents.manager import KVEventsSettings
+from servegate.datalayer.kvevents.manager import AUTO_PORT, KVEventsSettings
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.framework import CycleState, Decision, Plugin
 from servegate.scheduling.prefix.hashing import chain_seed, token_block_hashes
@@ -691,7 +691,8 @@ def precise_indexes(plugins: Mapping[str, Plugin]) -> dict[str, PreciseIndex]:
 def kv_events_settings(
     plugins: Mapping[str, Plugin], pool: KVEventsPoolSettings
 ) -> KVEventsSettings:
-    """The subscribers' settings: the pool's `kv_events`, else llm-d's `kvEventsConfig`."""
+    """The subscribers' settings: the pool's `kv_events`, else llm-d's `kvEventsConfig`,
+    else llm-d's convention (`auto`: port 5557 of each replica's host)."""
     if pool.port is not None or pool.bind is not None:
         return KVEventsSettings(
             port=pool.port,
@@ -717,8 +718,10 @@ def kv_events_settings(
             allow_unauthenticated_bind=pool.allow_unauthenticated_bind,
         )
     return KVEventsSettings(
+        port=AUTO_PORT,
         replay_port=pool.replay_port,
         topic_filter=pool.topic_filter,
         replay_timeout_s=pool.replay_timeout_s,
         curve=pool.curve,
+        auto=True,
     )

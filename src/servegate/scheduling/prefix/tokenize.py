@@ -13,7 +13,9 @@ count in `request.prompt_tokens`. Per model, one source:
 - `engine`: the replica's own `POST /tokenize` (vLLM, the simulator), remembered
   per request body in a bounded LRU; on failure the `fallback` source answers;
 - `simulator`: servegate's built-in simulator tokenizer (`simulator.tokenizer`);
-- `chars`: no ids; scorers that need them contribute nothing.
+- `chars`: no ids; scorers that need them contribute nothing;
+- `auto` (the default): learned per model from the replicas, prefix-cached
+  (`autotokenize.py`).
 
 `tokenizers` and `jinja2` are imported only when an `hf` source is configured.
 """
@@ -26,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import aiohttp
 import orjson
@@ -281,6 +283,24 @@ class EngineTokenizer:
         return tokens
 
 
+@runtime_checkable
+class AsyncTokenizer(Protocol):
+    """A source that may do I/O (`auto`); the gateway awaits it before `schedule()`."""
+
+    async def ids(
+        self, request: LLMRequest, candidates: Sequence[EndpointState]
+    ) -> list[int] | None: ...
+
+    def bind_session(self, session: aiohttp.ClientSession | None) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def status(self) -> dict[str, dict[str, Any]]: ...
+
+
+Source = LocalTokenizer | EngineTokenizer | AsyncTokenizer
+
+
 class RoutingTokenizers:
     """Per model (or its base model), the source of token ids; built once at startup."""
 
@@ -290,17 +310,21 @@ class RoutingTokenizers:
         per_model: Mapping[str, TokenizerSettings] | None = None,
     ) -> None:
         self.stats = TokenizeStats()
-        self._built: dict[int, LocalTokenizer | EngineTokenizer | None] = {}
+        self._built: dict[int, Source | None] = {}
         self._default = self._build(default)
         self._models = {m: self._build(s) for m, s in (per_model or {}).items()}
 
-    def _build(self, settings: TokenizerSettings | None) -> LocalTokenizer | EngineTokenizer | None:
+    def _build(self, settings: TokenizerSettings | None) -> Source | None:
         if settings is None:
             return None
         key = id(settings)
         if key not in self._built:
             if settings.source == "engine":
                 self._built[key] = EngineTokenizer(settings)
+            elif settings.source == "auto":
+                from servegate.scheduling.prefix.autotokenize import AutoTokenizer
+
+                self._built[key] = AutoTokenizer(settings, self.stats)
             else:
                 self._built[key] = local_tokenizer(settings.source, settings.path)
         return self._built[key]
@@ -309,12 +333,44 @@ class RoutingTokenizers:
     def active(self) -> bool:
         return self._default is not None or any(t is not None for t in self._models.values())
 
+    def _sources(self) -> list[Source | None]:
+        return [self._default, *self._models.values()]
+
     def bind_session(self, session: aiohttp.ClientSession | None) -> None:
-        for tok in (self._default, *self._models.values()):
+        for tok in self._sources():
             if isinstance(tok, EngineTokenizer):
                 tok.session = session
+            elif isinstance(tok, AsyncTokenizer):
+                tok.bind_session(session)
 
-    def for_request(self, request: LLMRequest) -> LocalTokenizer | EngineTokenizer | None:
+    async def close(self) -> None:
+        for tok in self._sources():
+            if isinstance(tok, AsyncTokenizer):
+                await tok.close()
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        """Per model: where its routing ids come from (`/admin/pool`, the signals metric)."""
+        out: dict[str, dict[str, Any]] = {}
+        named = [("*", self._default), *self._models.items()]
+        for name, tok in named:
+            if tok is None:
+                if name == "*":
+                    out[name] = {"source": "chars", "detail": "no tokenizer"}
+            elif isinstance(tok, EngineTokenizer):
+                out[name] = {"source": "engine", "detail": "configured"}
+            elif isinstance(tok, AsyncTokenizer):
+                found = tok.status()
+                out.update(found)
+                if name == "*" and not found:
+                    out[name] = {
+                        "source": "auto",
+                        "detail": "learned at each model's first request",
+                    }
+            else:
+                out[name] = {"source": getattr(tok, "name", "local"), "detail": "configured"}
+        return out
+
+    def for_request(self, request: LLMRequest) -> Source | None:
         models = self._models
         if models:
             for name in (request.target_model, request.base_model, request.model):
@@ -332,6 +388,12 @@ class RoutingTokenizers:
         stats = self.stats
         if isinstance(tok, EngineTokenizer):
             ids = await tok.ids(request, candidates, stats)
+        elif isinstance(tok, AsyncTokenizer):
+            ids = await tok.ids(request, candidates)
+            if ids is not None and request.cache.get("token_ids_partial"):
+                request.cache[TOKEN_IDS_KEY] = ids
+                stats.requests += 1
+                return
         else:
             t0 = time.perf_counter_ns()
             ids = local_ids(tok, request)
