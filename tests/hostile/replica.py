@@ -76,6 +76,8 @@ class Replica:
         app.router.add_get("/v2/health/ready", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
+        # the gateway's zero-config tokenizer asks here; this stand-in has no tokenizer
+        app.router.add_post("/tokenize", self._no_route)
         app.router.add_route("*", "/{tail:.*}", self._inference)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
@@ -91,6 +93,9 @@ class Replica:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response()
+
+    async def _no_route(self, request: web.Request) -> web.Response:
+        return web.json_response({"detail": "Not Found"}, status=404)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=METRICS)
