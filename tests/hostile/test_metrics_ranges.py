@@ -11,6 +11,7 @@ import math
 import random
 import socket
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -23,7 +24,7 @@ from servegate.pool.endpoint import Endpoint, EndpointMetrics
 from servegate.pool.pool import Pool
 from servegate.scaleout.codec import METRICS, EndpointReport, Message, decode, encode
 from servegate.scaleout.metrics import apply
-from servegate.scheduling.config import load_picker_config
+from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
 from servegate.scheduling.flowcontrol.saturation import (
     ConcurrencyDetector,
     UtilizationDetector,
@@ -111,7 +112,28 @@ def test_non_finite_values_are_not_read(value: str) -> None:
     assert (result.metrics.waiting, result.metrics.kv_usage) == (0.0, 0.0)
 
 
-async def test_a_replica_publishing_minus_1e308_wins_no_request(replicas: Replicas) -> None:
+FRESH_FILTER_PROFILE = {
+    "apiVersion": "llm-d.ai/v1alpha1",
+    "kind": "EndpointPickerConfig",
+    "plugins": [
+        {"type": "fresh-metrics-filter"},
+        {"type": "queue-scorer"},
+        {"type": "kv-cache-utilization-scorer"},
+        {"type": "max-score-picker"},
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    "profile",
+    [
+        pytest.param(FRESH_FILTER_PROFILE, id="fresh-metrics-filter"),
+        pytest.param(DEFAULT_PICKER_CONFIG, id="default-profile"),
+    ],
+)
+async def test_a_replica_publishing_minus_1e308_wins_no_request(
+    replicas: Replicas, profile: Any
+) -> None:
     pool = Pool(staleness=2.0)
     honest = [await replicas.add(HONEST) for _ in range(2)]
     liar = await replicas.add(page("-1e308", "-1e308", "-1e308"))
@@ -127,19 +149,7 @@ async def test_a_replica_publishing_minus_1e308_wins_no_request(replicas: Replic
     assert scrapers[2].stats.failures == {OUT_OF_RANGE: 1}
     assert pool.get(liar).metrics.scraped_at == 0.0  # type: ignore[union-attr]
 
-    scheduler = load_picker_config(
-        {
-            "apiVersion": "llm-d.ai/v1alpha1",
-            "kind": "EndpointPickerConfig",
-            "plugins": [
-                {"type": "fresh-metrics-filter"},
-                {"type": "queue-scorer"},
-                {"type": "kv-cache-utilization-scorer"},
-                {"type": "max-score-picker"},
-            ],
-        },
-        PluginContext(staleness_s=2.0),
-    )
+    scheduler = load_picker_config(profile, PluginContext(staleness_s=2.0))
     now = max(s.metrics.scraped_at for s in pool)
     wins = 0
     for i in range(30):

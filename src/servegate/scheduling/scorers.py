@@ -8,7 +8,10 @@ Inference Extension's; `docs/plugins.md` gives each formula with an example.
 Stale metrics: like llm-d, scorers read `EndpointMetrics` as they are, whatever
 their age. Dropping endpoints whose metrics are stale is a filter's job
 (`fresh-metrics-filter`); the router's own counters (`active-request-scorer`,
-`token-load-scorer`) are never stale.
+`token-load-scorer`) are never stale. Metrics never read (no scrape accepted yet,
+`scraped_at == 0`: a replica just added, or one whose every page was refused as
+impossible, `pool/sanity.py`) are unknown, not idle: the metric scorers give such an
+endpoint NaN, which the framework scores 0, so lying about load cannot attract traffic.
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ from servegate.scheduling.registry import (
     decode_parameters,
 )
 from servegate.scheduling.request import LLMRequest
+
+NAN = float("nan")
+
+
+def _known(state: EndpointState, value: float) -> float:
+    """`value`, or NaN while no scrape of `state` was ever accepted."""
+    return value if state.metrics.scraped_at > 0.0 else NAN
+
 
 LEGACY_KV_CACHE_TYPE = "kv-cache-scorer"
 """The Gateway API Inference Extension's older name of `kv-cache-utilization-scorer`."""
@@ -64,7 +75,7 @@ class QueueScorer(ParameterlessPlugin):
     def score(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
     ) -> list[float]:
-        return inverted_min_max([s.metrics.waiting for s in endpoints])
+        return inverted_min_max([_known(s, s.metrics.waiting) for s in endpoints])
 
 
 class RunningRequestsSizeScorer(ParameterlessPlugin):
@@ -76,7 +87,7 @@ class RunningRequestsSizeScorer(ParameterlessPlugin):
     def score(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
     ) -> list[float]:
-        return inverted_min_max([s.metrics.running for s in endpoints])
+        return inverted_min_max([_known(s, s.metrics.running) for s in endpoints])
 
 
 class KVCacheUtilizationScorer(ParameterlessPlugin):
@@ -88,7 +99,7 @@ class KVCacheUtilizationScorer(ParameterlessPlugin):
     def score(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
     ) -> list[float]:
-        return [1.0 - s.metrics.kv_usage for s in endpoints]
+        return [1.0 - _known(s, s.metrics.kv_usage) for s in endpoints]
 
 
 _GO_DURATION = re.compile(r"^(?:\d+(?:\.\d+)?(?:ns|us|µs|ms|s|m|h))+$")
@@ -175,7 +186,7 @@ class LoadAwareScorer:
         half_per_request = 0.5 / t
         return [
             0.5 - q * half_per_request if q < t else 0.0
-            for q in [s.metrics.waiting for s in endpoints]
+            for q in [_known(s, s.metrics.waiting) for s in endpoints]
         ]
 
 
