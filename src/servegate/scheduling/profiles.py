@@ -66,17 +66,22 @@ class SingleProfileHandler(ParameterlessPlugin):
         request: LLMRequest,
         results: Mapping[str, ProfileResult | None],
     ) -> Decision | None:
-        for name, result in results.items():
-            if result is None or not result.ranked:
-                return None
-            ranked = result.ranked
-            return Decision(
-                endpoint=ranked[0], fallbacks=ranked[1:], profile=name, results={name: result}
-            )
-        return None
+        return only_result(results)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+def only_result(results: Mapping[str, ProfileResult | None]) -> Decision | None:
+    """The decision of a handler that ran one profile: its ranking, or None if it found none."""
+    for name, result in results.items():
+        if result is None or not result.ranked:
+            return None
+        ranked = result.ranked
+        return Decision(
+            endpoint=ranked[0], fallbacks=ranked[1:], profile=name, results={name: result}
+        )
+    return None
 
 
 class HeaderProfileParameters(Parameters):
@@ -125,14 +130,7 @@ class HeaderProfileHandler:
         request: LLMRequest,
         results: Mapping[str, ProfileResult | None],
     ) -> Decision | None:
-        for name, result in results.items():
-            if result is None or not result.ranked:
-                return None
-            ranked = result.ranked
-            return Decision(
-                endpoint=ranked[0], fallbacks=ranked[1:], profile=name, results={name: result}
-            )
-        return None
+        return only_result(results)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

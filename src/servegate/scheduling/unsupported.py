@@ -39,16 +39,25 @@ from servegate.scheduling.registry import Parameters, PluginContext, decode_para
 from servegate.scheduling.request import LLMRequest
 from servegate.scheduling.scorers import KVCacheUtilizationScorer, QueueScorer
 
+ParametersType = type[Parameters]
+"""(Named here: inside the classes `type` is the plugin's type string.)"""
+
 
 class _Warned:
     """A filter or scorer with a fixed reason it cannot use its input here."""
 
     type: ClassVar[str]
     reason: ClassVar[str]
+    parameters: ClassVar[ParametersType]
+    """What its `parameters` block decodes into (llm-d's, checked strictly)."""
 
     def __init__(self, name: str, params: Parameters) -> None:
         self.name = name
         self.params = params
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
+        return cls(name, decode_parameters(cls.parameters, cls.type, name, parameters))
 
     def startup_warnings(self) -> list[str]:
         label = f"{self.name!r} (type {self.type!r})" if self.name != self.type else repr(self.name)
@@ -85,9 +94,7 @@ class EndpointAttributeFilter(_Warned):
         "endpoint misses the attribute and onMissing decides for all of them"
     )
 
-    @classmethod
-    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        return cls(name, decode_parameters(AttributeFilterParameters, cls.type, name, parameters))
+    parameters: ClassVar[ParametersType] = AttributeFilterParameters
 
     def filter(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
@@ -112,9 +119,7 @@ class EndpointAttributeScorer(_Warned):
         "endpoint misses the attribute and scores 0, as in llm-d"
     )
 
-    @classmethod
-    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        return cls(name, decode_parameters(AttributeScorerParameters, cls.type, name, parameters))
+    parameters: ClassVar[ParametersType] = AttributeScorerParameters
 
     def score(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
@@ -136,9 +141,7 @@ class TopologyAffinityFilter(_Warned):
         "topology, the filter keeps every candidate"
     )
 
-    @classmethod
-    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        return cls(name, decode_parameters(TopologyParameters, cls.type, name, parameters))
+    parameters: ClassVar[ParametersType] = TopologyParameters
 
     def filter(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
@@ -152,9 +155,7 @@ class TopologyAffinityScorer(_Warned):
         "servegate knows no node/rack/zone topology of its endpoints; every endpoint scores 0"
     )
 
-    @classmethod
-    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        return cls(name, decode_parameters(TopologyParameters, cls.type, name, parameters))
+    parameters: ClassVar[ParametersType] = TopologyParameters
 
     def score(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
@@ -172,9 +173,7 @@ class MMEmbeddingsCacheScorer(_Warned):
         "servegate does not track multimodal embedding caches; every endpoint scores 0"
     )
 
-    @classmethod
-    def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        return cls(name, decode_parameters(MMCacheScorerParameters, cls.type, name, parameters))
+    parameters: ClassVar[ParametersType] = MMCacheScorerParameters
 
     def score(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
