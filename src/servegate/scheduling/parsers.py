@@ -42,8 +42,8 @@ class AnthropicParser(_Parser):
     type: ClassVar[str] = "anthropic-parser"
     paths: ClassVar[tuple[str, ...]] = ("v1/messages",)
     unsupported: ClassVar[str] = (
-        "servegate's gateway parses requests itself; Anthropic Messages bodies are routed "
-        "only as far as the gateway's own routes serve them (docs/api.md), not by this parser"
+        "servegate's gateway parses requests itself: POST /v1/messages is one of its routes "
+        "(README, 'What it does'), routed by model; this parser adds nothing to that"
     )
 
 

@@ -25,6 +25,7 @@ from servegate.simulator.openai_api import (
     injected_fault,
     read_json,
     resolve_model,
+    wait_finished,
 )
 from servegate.simulator.protocol import BadRequest
 from servegate.simulator.state import SimState
@@ -152,12 +153,7 @@ async def _complete(
     request: web.Request, state: SimState, req: SimRequest, model: str, fault: object
 ) -> web.StreamResponse:
     engine = state.engine
-    try:
-        while not req.finished:
-            await req.wait()
-    finally:
-        if not req.finished:
-            engine.abort(req)
+    await wait_finished(state, req)
     if state.crashed or fault == "stream_cut":
         return drop_connection(request)
     if fault == "stream_error" or (req.finish_reason == "abort" and not engine.alive):

@@ -166,6 +166,16 @@ def _cached(state: SimState, req: SimRequest) -> int | None:
     return max(req.cached_tokens, 0) if state.cfg.enable_prompt_tokens_details else None
 
 
+async def wait_finished(state: SimState, req: SimRequest) -> None:
+    """Until the engine finishes `req`; a client gone first (cancellation) aborts it."""
+    try:
+        while not req.finished:
+            await req.wait()
+    finally:
+        if not req.finished:
+            state.engine.abort(req)
+
+
 async def _complete(
     request: web.Request,
     state: SimState,
@@ -176,12 +186,7 @@ async def _complete(
     fault: InjectedFault | None,
 ) -> web.StreamResponse:
     engine = state.engine
-    try:
-        while not req.finished:
-            await req.wait()
-    finally:
-        if not req.finished:
-            engine.abort(req)
+    await wait_finished(state, req)
     if state.crashed or fault == "stream_cut":
         return drop_connection(request)
     if fault == "stream_error" or (req.finish_reason == "abort" and not engine.alive):

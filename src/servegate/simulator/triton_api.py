@@ -27,6 +27,7 @@ from servegate.simulator.openai_api import (
     error_response,
     injected_fault,
     read_json,
+    wait_finished,
 )
 from servegate.simulator.protocol import BadRequest
 from servegate.simulator.state import SimState
@@ -118,12 +119,7 @@ async def _generate(request: web.Request, stream: bool) -> web.StreamResponse:
     if stream:
         req.wants_stream = True
         return await _stream(request, state, req, fault)
-    try:
-        while not req.finished:
-            await req.wait()
-    finally:
-        if not req.finished:
-            state.engine.abort(req)
+    await wait_finished(state, req)
     if state.crashed or fault == "stream_cut":
         return drop_connection(request)
     if fault == "stream_error" or not state.engine.alive:
