@@ -17,6 +17,7 @@ only `Content-Length` is formatted per request.
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Callable
 from typing import cast
 
@@ -25,6 +26,13 @@ import httptools
 Head = Callable[[int, list[tuple[bytes, bytes]]], None]
 Body = Callable[[bytes], None]
 Done = Callable[[BaseException | None], None]
+
+
+def nodelay(transport: asyncio.BaseTransport) -> None:
+    """Small writes (one SSE event each) go out at once: no Nagle wait for the peer's ACK."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 class LeanResponse:
@@ -109,6 +117,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
+        nodelay(transport)
 
     def start(self, request: list[bytes], head: Head, body: Body, done: Done) -> None:
         self._fields = []

@@ -30,7 +30,7 @@ import orjson
 import uvloop
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lean import LeanPool
+from lean import LeanPool, nodelay
 
 JSON = "application/json"
 
@@ -134,6 +134,7 @@ class RawRelay(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
+        nodelay(transport)
 
     def data_received(self, data: bytes) -> None:
         import httptools
