@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: install demo test lint format bench bench-gateway bench-scheduler clean
+.PHONY: install demo test lint format bench bench-gateway bench-dataplane bench-scheduler clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,26 @@ bench-scheduler: install
 
 bench-gateway: install
 	$(PY) bench/gateway_overhead.py
+
+# bench/dataplane.py: servegate beside vllm-router, sglang-router and bare relays (granian,
+# httptools), all in their own venv, never the gateway's dependencies; wrk and nginx from Debian.
+PEERS ?= .venv-peers
+PEER_PACKAGES ?= vllm-router==0.1.17 sglang-router==0.3.2 granian==2.8.9 httptools==0.9.0 \
+	uvloop orjson aiohttp py-spy==0.4.3
+DATAPLANE_ARGS ?=
+.PHONY: peers dataplane-tools bench-dataplane
+$(PEERS)/.installed:
+	$(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/pip install --quiet $(PEER_PACKAGES)
+	touch $@
+peers: $(PEERS)/.installed
+dataplane-tools:
+	@command -v wrk >/dev/null 2>&1 && { command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx; } || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends wrk nginx-light >/dev/null; }
+bench-dataplane: install peers dataplane-tools
+	$(PY) bench/dataplane.py --peers $(PEERS)/bin $(DATAPLANE_ARGS)
 
 # The standard routing comparison on a simulated cluster; refreshes docs/benchmarks.md (docs/bench.md).
 bench: install
