@@ -156,6 +156,44 @@ def test_tiers_are_weighted(events: list[Any], expected: float) -> None:
     assert index.match(keys, ["a"], now=0.0)["a"] == pytest.approx(expected)
 
 
+def test_offloaded_blocks_may_arrive_before_their_parent_in_a_batch() -> None:
+    """vLLM's `OffloadingEventsTracker` publishes one self-contained `BlockStored` per
+    offloaded chunk (its own parent hash) in whatever order the CPU manager completed
+    them ("key order is free"). When the GPU evicted the chain before the copy finished,
+    a child's CPU store can come before its parent's (seen from vLLM 0.32's scheduler
+    in tests/engine/test_offload_events.py): the index must still link it."""
+    index = index_with(
+        stored([1, 2, 3], PROMPT[:12]),
+        BlockRemoved([1, 2, 3], "GPU"),
+    )
+    index.apply(
+        "a",
+        batch(
+            stored([3], PROMPT[8:12], 2, "CPU"),
+            stored([1], PROMPT[:4], None, "CPU"),
+            stored([2], PROMPT[4:8], 1, "CPU"),
+        ),
+    )
+    assert index.tier_blocks("a", PROMPT, "cpu") == 3
+    assert index.stats.unknown_parent == 0
+    keys = token_block_hashes(PROMPT, BS, lora_seed(None), 10)
+    assert index.match(keys, ["a"], now=0.0)["a"] == pytest.approx(2.4)
+
+
+def test_a_store_whose_parent_never_comes_is_still_dropped() -> None:
+    index = index_with(stored([3], PROMPT[8:12], 2, "CPU"), stored([9], PROMPT[:4], None, "CPU"))
+    assert index.blocks("a") == 1 and index.stats.unknown_parent == 1
+
+
+def test_a_waiting_store_removed_later_in_the_batch_is_not_revived() -> None:
+    index = index_with(
+        stored([2], PROMPT[4:8], 1, "CPU"),
+        BlockRemoved([2], "CPU"),
+        stored([1], PROMPT[:4], None, "CPU"),
+    )
+    assert index.tier_blocks("a", PROMPT, "cpu") == 1 and index.blocks("a") == 1
+
+
 def test_memory_is_bounded_per_endpoint_least_recently_stored_first() -> None:
     index = PreciseIndex(max_blocks_per_endpoint=3)
     index.apply("a", batch(stored([1, 2, 3, 4], PROMPT[:16])))

@@ -251,6 +251,19 @@ class IndexStats:
     """`BlockRemoved` hashes the index did not hold."""
 
 
+def _forget_waiting(
+    waiting: dict[BlockHash, list[BlockStored]], removed: Sequence[BlockHash]
+) -> None:
+    """A removal later in the batch wins over a store still waiting for its parent."""
+    gone = set(removed)
+    for parent in list(waiting):
+        kept = [e for e in waiting[parent] if gone.isdisjoint(e.block_hashes)]
+        if kept:
+            waiting[parent] = kept
+        else:
+            del waiting[parent]
+
+
 def lora_seed(lora: str | None) -> int:
     return chain_seed("", lora)
 
@@ -294,15 +307,44 @@ class PreciseIndex:
 
     # -- writes (the KV-event subscriber) ----------------------------------------------
     def apply(self, address: str, batch: EventBatch) -> None:
+        """One batch, in order; except that a `BlockStored` whose parent is stored later
+        in the same batch waits for it. vLLM's offloading connector publishes one
+        self-contained store per offloaded chunk in whatever order the copies completed,
+        so a child's CPU store can precede its parent's when the GPU no longer holds it."""
+        waiting: dict[BlockHash, list[BlockStored]] = {}
         for event in batch.events:
             if isinstance(event, BlockStored):
-                self.store(address, event)
+                if self._store(address, event):
+                    if waiting:
+                        self._link_waiting(address, event, waiting)
+                elif event.parent_block_hash is not None:
+                    waiting.setdefault(event.parent_block_hash, []).append(event)
             elif isinstance(event, BlockRemoved):
+                if waiting:
+                    _forget_waiting(waiting, event.block_hashes)
                 self.remove(address, event)
             elif isinstance(event, AllBlocksCleared):
+                waiting.clear()
                 self.clear(address)
+        self.stats.unknown_parent += sum(len(v) for v in waiting.values())
+
+    def _link_waiting(
+        self, address: str, event: BlockStored, waiting: dict[BlockHash, list[BlockStored]]
+    ) -> None:
+        """Store the waiting events whose parent `event` (or one they unblock) just stored."""
+        ready = [event]
+        while ready and waiting:
+            for engine_hash in ready.pop().block_hashes:
+                for child in waiting.pop(engine_hash, ()):
+                    if self._store(address, child):
+                        ready.append(child)
 
     def store(self, address: str, event: BlockStored) -> None:
+        if not self._store(address, event):
+            self.stats.unknown_parent += 1
+
+    def _store(self, address: str, event: BlockStored) -> bool:
+        """False when the parent block is unknown (nothing stored)."""
         ep = self._endpoints.get(address)
         if ep is None:
             ep = self._endpoints[address] = EndpointBlocks(address)
@@ -319,8 +361,7 @@ class PreciseIndex:
         else:
             entry = ep.blocks.get(parent)
             if entry is None:
-                self.stats.unknown_parent += 1
-                return
+                return False
             prev = entry.key
         hashes = event.block_hashes
         keys = token_block_hashes(event.token_ids, event.block_size, prev, len(hashes))
@@ -345,6 +386,7 @@ class PreciseIndex:
             _, old = blocks.popitem(last=False)
             self._drop_entry(address, old)
             self.stats.evicted_blocks += 1
+        return True
 
     def remove(self, address: str, event: BlockRemoved) -> None:
         ep = self._endpoints.get(address)
