@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from servegate.gateway.errors import (
+from servegate.control.errors import (
     GatewayError,
     NoEndpoints,
     Saturated,

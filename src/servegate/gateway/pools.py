@@ -39,6 +39,7 @@ from servegate.gateway.latency import LatencyRouting
 from servegate.gateway.metrics import GatewayMetrics, PluginDurationCollector, with_aliases
 from servegate.gateway.proxy import Proxy
 from servegate.gateway.retry import RetryBudget
+from servegate.gateway.transport import UpstreamTransport
 from servegate.gateway.triton import TritonTranslator
 from servegate.pool.discovery import Discovery, start_discovery
 from servegate.pool.pool import Pool
@@ -144,11 +145,11 @@ class PoolRuntime:
     picker_doc: Mapping[str, Any] | str | None
     registry: CollectorRegistry
     key: tuple[Any, ...]
-    triton: TritonTranslator | None = None
-    proxy: Proxy | None = None
-    disagg: Disaggregator | None = None
-    latency: LatencyRouting | None = None
+    proxy: Proxy
+    disagg: Disaggregator
+    latency: LatencyRouting
     in_flight: int = 0
+    """Requests holding a `Lease` on this runtime (a retired runtime stops at 0)."""
     started: bool = False
     _idle: asyncio.Event | None = field(default=None, repr=False)
 
@@ -168,26 +169,14 @@ class PoolRuntime:
         if self.in_flight <= 0 and self._idle is not None:
             self._idle.set()
 
-    async def start(
-        self,
-        config: ServegateConfig,
-        session: aiohttp.ClientSession,
-        control: aiohttp.ClientSession,
-        metrics: GatewayMetrics,
-        budget: RetryBudget | None,
-    ) -> None:
+    async def start(self, session: aiohttp.ClientSession, control: aiohttp.ClientSession) -> None:
+        """Start what runs in the background: the pool's data layer and discovery (once per
+        pool state), the routing tokenizers."""
         if self.started:
             return
         self.started = True
         await self.state.start(control)
         await self.cache_routing.start(session)
-        self.proxy = Proxy(
-            session, config.gateway, self.pool, metrics, self.state.outlier, budget, self.triton
-        )
-        self.disagg = build_disaggregator(
-            config.gateway, config.disaggregation, self.scheduler.plugins, self.proxy, session,
-            self.pool, metrics,
-        )  # fmt: skip
 
     async def drained(self, timeout_s: float) -> bool:
         """Wait until no request uses this runtime (or the timeout); True when idle."""
@@ -212,6 +201,8 @@ def build_runtime(
     config: ServegateConfig,
     entry: PoolEntry,
     metrics: GatewayMetrics,
+    transport: UpstreamTransport,
+    budget: RetryBudget | None,
     config_dir: Path | None = None,
     previous: Iterable[PoolRuntime] = (),
 ) -> PoolRuntime:
@@ -247,16 +238,22 @@ def build_runtime(
     cache = build_cache_routing(
         config.model_copy(update={"pool": settings}), state.pool, scheduler, registry
     )
+    proxy = Proxy(transport, config.gateway, metrics, state.outlier, budget, triton, state.engines)
+    disagg = build_disaggregator(
+        config.gateway, config.disaggregation, scheduler.plugins, proxy, transport, state.pool,
+        metrics,
+    )  # fmt: skip
     return PoolRuntime(
         entry=entry,
         state=state,
         scheduler=scheduler,
         admission=admission,
         cache_routing=cache,
-        triton=triton,
         picker_doc=picker_doc,
         registry=registry,
         key=_runtime_key(config, entry, picker_doc),
+        proxy=proxy,
+        disagg=disagg,
         latency=LatencyRouting(state.latency, scheduler.plugins, registry),
     )
 

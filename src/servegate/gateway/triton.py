@@ -48,6 +48,8 @@ from servegate.pool.endpoint import Endpoint
 from servegate.scheduling.prefix.tokenize import LocalTokenizer, TokenizerError, local_tokenizer
 
 TRITON_ENGINE = "triton-tensorrt-llm"
+TRITON_ADAPTER = "triton-generate"
+"""The `EngineSpec.request_adapter` this module implements."""
 MODEL_LABEL = "servegate.io/triton-model"
 """The model's name in the Triton repository (`ensemble`, `tensorrt_llm_bls`); default: the
 OpenAI model name."""
