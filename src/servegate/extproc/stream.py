@@ -41,11 +41,11 @@ from servegate.extproc.protocol import (
     subset_hint,
 )
 from servegate.extproc.usage import UsageTap
+from servegate.gateway.access_log import AccessRecord
 from servegate.gateway.admission import QUEUE_DURATION_HEADER, queue_ms
 from servegate.gateway.app import Gateway
 from servegate.gateway.errors import BodyTooLarge, GatewayError, error_body
 from servegate.gateway.headers import SERVED_HEADER
-from servegate.gateway.logging import AccessRecord
 from servegate.gateway.metrics import RequestSeries
 from servegate.gateway.openapi import PASSTHROUGH
 from servegate.gateway.parse import parse_request, strip_gateway_fields, with_model

@@ -26,6 +26,7 @@ from servegate.config import ServegateConfig
 from servegate.datalayer import DataLayer
 from servegate.datalayer.outlier import OutlierDetector
 from servegate.engines.registry import EngineRegistry
+from servegate.gateway.access_log import AccessLog, AccessRecord
 from servegate.gateway.admin import add_admin_routes
 from servegate.gateway.admission import QUEUE_DURATION_HEADER, GatewayAdmission, queue_ms
 from servegate.gateway.cache_routing import CacheRouting
@@ -58,7 +59,6 @@ from servegate.gateway.headers import (
     within_subset,
 )
 from servegate.gateway.latency import Ticket
-from servegate.gateway.logging import AccessLog, AccessRecord
 from servegate.gateway.metrics import GatewayMetrics
 from servegate.gateway.model_routing import Routed, RoutingTable
 from servegate.gateway.openapi import PASSTHROUGH, serve_openapi

@@ -34,8 +34,8 @@ from aiohttp import web
 
 from servegate.config import DisaggregationSettings, GatewaySettings
 from servegate.datalayer.scraper import FetchError, read_limited
+from servegate.gateway.access_log import AccessRecord
 from servegate.gateway.errors import describe
-from servegate.gateway.logging import AccessRecord
 from servegate.gateway.metrics import GatewayMetrics
 from servegate.gateway.proxy import NO_AUTO_HEADERS, Proxy, Route
 from servegate.gateway.triton import TRITON_ENGINE

@@ -29,8 +29,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from servegate.gateway.access_log import AccessRecord
 from servegate.gateway.errors import Dropped
-from servegate.gateway.logging import AccessRecord
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.framework import CycleState, Decision, Plugin
 from servegate.scheduling.latency.plugins import (

@@ -31,6 +31,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from servegate.config import GatewaySettings
 from servegate.datalayer.outlier import OutlierDetector
+from servegate.gateway.access_log import AccessRecord
 from servegate.gateway.errors import (
     GatewayError,
     NotFound,
@@ -44,7 +45,6 @@ from servegate.gateway.errors import (
     sse_error_event,
 )
 from servegate.gateway.headers import DESTINATION_HEADER, SERVED_HEADER
-from servegate.gateway.logging import AccessRecord
 from servegate.gateway.metrics import GatewayMetrics
 from servegate.gateway.retry import RetryBudget
 from servegate.gateway.triton import (
