@@ -17,19 +17,18 @@ from servegate.datalayer.kvevents import (
     EventBatch,
     decode_batch,
 )
-from servegate.datalayer.kvevents.manager import KVEventsSettings
+from servegate.datalayer.kvevents.settings import KVEventsSettings, kv_events_settings
 from servegate.pool.endpoint import Endpoint, EndpointState
+from servegate.scheduling.factory import PluginContext, PluginParameterError
 from servegate.scheduling.framework import CycleState, Decision
 from servegate.scheduling.prefix.hashing import token_block_hashes
 from servegate.scheduling.prefix.precise import (
     PreciseIndex,
     PrecisePrefixCacheScorer,
     PrecisePrefixParameters,
-    kv_events_settings,
     lora_seed,
     parse_duration,
 )
-from servegate.scheduling.registry import PluginContext, PluginParameterError
 from servegate.scheduling.request import LLMRequest, RequestKind
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "real" / "kv_events"

@@ -28,9 +28,9 @@ from servegate.scaleout.metrics import MetricsSharing
 from servegate.scaleout.prefix import PrefixSharing
 from servegate.scaleout.settings import ScaleOutSettings
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
+from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.framework import Decision
 from servegate.scheduling.prefix.approx import PrefixCacheScorer
-from servegate.scheduling.registry import PluginContext
 from servegate.scheduling.request import LLMRequest, RequestKind
 
 SETTINGS = ScaleOutSettings(heartbeat_s=0.5, expiry_s=2.0, coalesce_s=0.0)

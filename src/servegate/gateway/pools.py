@@ -43,11 +43,11 @@ from servegate.gateway.triton import TritonTranslator
 from servegate.pool.discovery import Discovery, start_discovery
 from servegate.pool.pool import Pool
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
+from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.latency.predictor import SERVICE_KEY as LATENCY_SERVICE
 from servegate.scheduling.latency.predictor import LatencyPredictor
-from servegate.scheduling.prefix.tokenize import TokenizerError
-from servegate.scheduling.registry import PluginContext
 from servegate.scheduling.scheduler import Scheduler
+from servegate.tokenization.sources import TokenizerError
 
 log = logging.getLogger("servegate.gateway")
 

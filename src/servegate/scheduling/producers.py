@@ -26,7 +26,7 @@ data it produces:
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, ClassVar, Self
 
 import xxhash
@@ -34,44 +34,12 @@ from pydantic import Field, model_validator
 
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.declared import DeclaredPlugin, ParamsModel
+from servegate.scheduling.factory import Parameters, PluginContext, decode_parameters
 from servegate.scheduling.framework import CycleState, Decision
 from servegate.scheduling.prefix.approx import ApproxPrefixParameters, PrefixCacheScorer
+from servegate.scheduling.prefix.lookup import PRODUCER_KIND, PrefixProducer, find_prefix_scorer
 from servegate.scheduling.prefix.precise import PrecisePrefixCacheScorer, PrecisePrefixParameters
-from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
 from servegate.scheduling.request import LLMRequest
-
-PRODUCER_KIND = "producer"
-
-
-class PrefixProducer:
-    """Base of the prefix producers: an inner scorer computes the match, consumers read it.
-
-    Not a `Scorer` (no `score` method): a producer cannot sit in a profile, as in llm-d.
-    """
-
-    type: ClassVar[str]
-    kind: ClassVar[str] = PRODUCER_KIND
-    source: PrefixCacheScorer | PrecisePrefixCacheScorer
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def match(
-        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
-    ) -> Sequence[float]:
-        """Per endpoint: the share of the prompt's blocks it holds (tier-weighted when precise)."""
-        return self.source.score(cycle, request, endpoints)
-
-    def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None:
-        hook = getattr(self.source, "pre_request", None)
-        if hook is not None:
-            hook(request, decision, now)
-
-    def startup_warnings(self) -> list[str]:
-        return []
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r})"
 
 
 class ApproxProducerParameters(ApproxPrefixParameters):
@@ -119,30 +87,6 @@ class PrecisePrefixCacheProducer(PrefixProducer):
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
         return cls(name, decode_parameters(PrecisePrefixParameters, cls.type, name, parameters))
-
-
-def find_prefix_producer(
-    plugins: Mapping[str, object], name: str | None, parameter: str
-) -> PrefixProducer | None:
-    """The producer a consumer reads: the one named, else one declared under its type name."""
-    if name:
-        plugin = plugins.get(name)
-        if plugin is None:
-            raise ValueError(
-                f"{parameter} {name!r} names no declared plugin; declare an "
-                "approx-prefix-cache-producer or precise-prefix-cache-producer with that name"
-            )
-        if not isinstance(plugin, PrefixProducer):
-            raise ValueError(
-                f"{parameter} {name!r} is a {getattr(plugin, 'type', '?')!r}, not a prefix "
-                "producer (approx-prefix-cache-producer, precise-prefix-cache-producer)"
-            )
-        return plugin
-    for default in (ApproxPrefixCacheProducer.type, PrecisePrefixCacheProducer.type):
-        plugin = plugins.get(default)
-        if isinstance(plugin, PrefixProducer):
-            return plugin
-    return None
 
 
 # -- producers whose data servegate keeps anyway, or computes elsewhere -----------------
@@ -271,8 +215,6 @@ class P2PSourceProducer(DeclaredPlugin):
         self.block_size = 16
 
     def bind_plugins(self, plugins: Mapping[str, Any]) -> None:
-        from servegate.scheduling.affinity import find_prefix_scorer
-
         p = self.params
         assert isinstance(p, P2PSourceParameters)
         self.source = find_prefix_scorer(

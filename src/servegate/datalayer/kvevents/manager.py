@@ -34,14 +34,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
 
 import zmq.asyncio
 
-from servegate.curve import CurveKeys, CurveSettings
-from servegate.datalayer.kvevents.events import EventBatch
+from servegate.curve import CurveKeys
+from servegate.datalayer.kvevents.settings import KVEventsSettings
 from servegate.datalayer.kvevents.transport import (
     KVEventSubscriber,
     SubscriberStats,
@@ -49,6 +48,7 @@ from servegate.datalayer.kvevents.transport import (
 )
 from servegate.pool.endpoint import Endpoint, EndpointState
 from servegate.pool.pool import Pool
+from servegate.scheduling.prefix.events import EventBatch
 
 log = logging.getLogger(__name__)
 
@@ -57,34 +57,6 @@ class BlockIndex(Protocol):
     def apply(self, address: str, batch: EventBatch) -> None: ...
 
     def clear(self, address: str) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class KVEventsSettings:
-    """Where replicas publish, when their endpoints do not say."""
-
-    port: int | None = None
-    """Derive `tcp://<replica host>:<port>` for replicas without their own endpoint."""
-    replay_port: int | None = None
-    """Derive the replay socket `tcp://<host>:<replay_port>` the same way."""
-    topic_filter: str = ""
-    """ZMQ subscription prefix; "" receives every topic."""
-    bind_endpoint: str | None = None
-    """A SUB socket to bind for all replicas (`tcp://*:5557`, `tcp://127.0.0.1:5557`)."""
-    replay_timeout_s: float = 2.0
-    curve: CurveSettings | None = None
-    """CURVE: a bound socket admits only authorized publisher keys; with `server_key_file`
-    set, per-replica (connected) sockets are CURVE clients of publishers holding that key
-    (relays that are CURVE servers); without it they stay plain, as vLLM publishes."""
-    allow_unauthenticated_bind: bool = False
-    """Run a bind socket without `curve`: messages are accepted only from the TCP address of
-    the pool member their topic names. Without this (or `curve`) bind mode stays off."""
-    auto: bool = False
-    """Nothing configured: `port` is llm-d's convention, used for replicas alone on their
-    host, and a topic that names another replica is dropped."""
-
-
-AUTO_PORT = 5557
 
 
 def _host(endpoint: str) -> str | None:

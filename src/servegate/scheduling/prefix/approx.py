@@ -22,6 +22,7 @@ import xxhash
 from pydantic import Field, model_validator
 
 from servegate.pool.endpoint import EndpointState
+from servegate.scheduling.factory import Parameters, PluginContext, decode_parameters
 from servegate.scheduling.framework import CycleState, Decision
 from servegate.scheduling.prefix.hashing import (
     chain_seed,
@@ -29,7 +30,7 @@ from servegate.scheduling.prefix.hashing import (
     keyed_seed,
     token_block_hashes,
 )
-from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
+from servegate.scheduling.prefix.lookup import find_prefix_producer, prefix_scores
 from servegate.scheduling.request import LLMRequest
 
 CHARS_PER_TOKEN = 4
@@ -238,8 +239,6 @@ class PrefixCacheScorer:
         return cls(name, index, p.prefix_match_info_producer_name, index_given)
 
     def bind_plugins(self, plugins: Mapping[str, Any]) -> None:
-        from servegate.scheduling.producers import find_prefix_producer
-
         if self.producer_name is None and not self._may_bind_default:
             return
         self.producer = find_prefix_producer(
@@ -288,8 +287,6 @@ class PrefixCacheScorer:
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
     ) -> Sequence[float]:
         if self.producer is not None:
-            from servegate.scheduling.affinity import prefix_scores
-
             return prefix_scores(cycle, self.producer.source, request, endpoints)
         keys = self.block_keys(request)
         if not keys:
