@@ -1,6 +1,7 @@
 """One pool's runtime: its live state, its scheduler, its flow control, its proxy.
 
-The live part (`PoolState`: the Pool, its data layer, discovery, passive health)
+The live part (`PoolState`: the Pool, its data layer, discovery, passive health, and
+what routing learned: the latency predictor, prefix indexes, session bindings)
 outlives a reload that leaves the pool's own settings alone; the routing part
 (`PoolRuntime`: scheduler, admission, cache routing, proxy) is rebuilt when its
 picker or flow control change. A request keeps the runtime it started with.
@@ -46,6 +47,7 @@ from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_confi
 from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.latency.predictor import SERVICE_KEY as LATENCY_SERVICE
 from servegate.scheduling.latency.predictor import LatencyPredictor
+from servegate.scheduling.routing_state import ROUTING_STATE_SERVICE, RoutingState
 from servegate.scheduling.scheduler import Scheduler
 from servegate.tokenization.sources import TokenizerError
 
@@ -68,6 +70,9 @@ class PoolState:
     started: bool = False
     latency: LatencyPredictor = field(default_factory=LatencyPredictor)
     """The pool's latency predictor: learned state that survives picker reloads."""
+    routing: RoutingState = field(default_factory=RoutingState)
+    """The pool's prefix indexes and session bindings: learned state that survives picker
+    reloads; the KV-event manager and scale-out feed it, plugins receive it as a service."""
 
     def same_as(self, settings: PoolSettings, outlier: OutlierDetectionSettings) -> bool:
         return self.settings == settings and self.outlier_settings == outlier
@@ -233,7 +238,7 @@ def build_runtime(
         picker_doc if picker_doc is not None else DEFAULT_PICKER_CONFIG,
         PluginContext(
             staleness_s=settings.metrics_staleness_s,
-            services={LATENCY_SERVICE: state.latency},
+            services={LATENCY_SERVICE: state.latency, ROUTING_STATE_SERVICE: state.routing},
         ),
     )
     try:

@@ -40,6 +40,11 @@ from servegate.scheduling.prefix.lookup import (
     producer_source,
 )
 from servegate.scheduling.request import LLMRequest
+from servegate.scheduling.routing_state import (
+    SESSION_BINDINGS,
+    RoutingState,
+    routing_state,
+)
 
 if TYPE_CHECKING:
     from servegate.scheduling.prefix.approx import PrefixCacheScorer
@@ -92,9 +97,13 @@ class PrefixCacheAffinityFilter:
 
     type: ClassVar[str] = "prefix-cache-affinity-filter"
 
-    def __init__(self, name: str, params: AffinityFilterParameters) -> None:
+    def __init__(
+        self, name: str, params: AffinityFilterParameters, routing: RoutingState | None = None
+    ) -> None:
         self.name = name
         self.params = params
+        self.routing = routing
+        """The pool's learned state, which keeps this filter's own index (when it has one)."""
         self.prefix: Scorer | None = None
         self._own: PrefixCacheScorer | None = None
         self.decisions: dict[str, int] = {}
@@ -103,7 +112,8 @@ class PrefixCacheAffinityFilter:
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        return cls(name, decode_parameters(AffinityFilterParameters, cls.type, name, parameters))
+        params = decode_parameters(AffinityFilterParameters, cls.type, name, parameters)
+        return cls(name, params, routing_state(ctx))
 
     def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
         named = self.params.prefix_match_info_producer_name
@@ -116,7 +126,9 @@ class PrefixCacheAffinityFilter:
             # of its own, fed by this filter's pre_request hook.
             from servegate.scheduling.prefix.approx import ApproxPrefixParameters, PrefixCacheScorer
 
-            self._own = PrefixCacheScorer(f"{self.name}/prefix", ApproxPrefixParameters())
+            self._own = PrefixCacheScorer(
+                f"{self.name}/prefix", ApproxPrefixParameters(), routing=self.routing
+            )
             self.prefix = self._own
             return
         self.prefix = find_prefix_scorer(self.type, plugins, named, "prefixMatchInfoProducerName")
@@ -358,7 +370,9 @@ class _SessionAffinity:
 
     type: ClassVar[str]
 
-    def __init__(self, name: str, params: SessionAffinityParameters) -> None:
+    def __init__(
+        self, name: str, params: SessionAffinityParameters, routing: RoutingState | None = None
+    ) -> None:
         self.name = name
         self.params = params
         self.token_header = params.encoded_endpoint_header_config.name.lower()
@@ -367,14 +381,19 @@ class _SessionAffinity:
         self.producers: dict[str, Any] = {}
         self.ttl = sid.eviction_ttl_seconds
         self.sweep_every = sid.eviction_sweep_seconds
-        self.bindings: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        """Session id → (address, last used), least recently used first."""
+        shared = routing if routing is not None else RoutingState()
+        self.bindings: OrderedDict[str, tuple[str, float]] = shared.shared(
+            SESSION_BINDINGS, name, params.strategy, OrderedDict, OrderedDict
+        )
+        """Session id → (address, last used), least recently used first; owned by the pool's
+        state, so sessions stay bound across a picker reload."""
         self._next_sweep = 0.0
         self._state_key = f"session-affinity/{name}"
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        return cls(name, decode_parameters(SessionAffinityParameters, cls.type, name, parameters))
+        params = decode_parameters(SessionAffinityParameters, cls.type, name, parameters)
+        return cls(name, params, routing_state(ctx))
 
     def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
         for source in self.sources:

@@ -40,6 +40,7 @@ from servegate.scheduling.prefix.approx import ApproxPrefixParameters, PrefixCac
 from servegate.scheduling.prefix.lookup import PRODUCER_KIND, PrefixProducer, find_prefix_scorer
 from servegate.scheduling.prefix.precise import PrecisePrefixCacheScorer, PrecisePrefixParameters
 from servegate.scheduling.request import LLMRequest
+from servegate.scheduling.routing_state import RoutingState, routing_state
 
 
 class ApproxProducerParameters(ApproxPrefixParameters):
@@ -57,18 +58,23 @@ class ApproxPrefixCacheProducer(PrefixProducer):
 
     type: ClassVar[str] = "approx-prefix-cache-producer"
 
-    def __init__(self, name: str, params: ApproxProducerParameters) -> None:
+    def __init__(
+        self, name: str, params: ApproxProducerParameters, routing: RoutingState | None = None
+    ) -> None:
         super().__init__(name)
         index = params.model_dump(by_alias=True, exclude={"max_prefix_tokens_to_match"})
         tokens = params.max_prefix_tokens_to_match
         if tokens:
             index["maxPrefixBlocksToMatch"] = max(1, tokens // params.block_size_tokens)
         self.params = params
-        self.source = PrefixCacheScorer(name, ApproxPrefixParameters.model_validate(index))
+        self.source = PrefixCacheScorer(
+            name, ApproxPrefixParameters.model_validate(index), routing=routing
+        )
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        return cls(name, decode_parameters(ApproxProducerParameters, cls.type, name, parameters))
+        params = decode_parameters(ApproxProducerParameters, cls.type, name, parameters)
+        return cls(name, params, routing_state(ctx))
 
 
 class PrecisePrefixCacheProducer(PrefixProducer):
@@ -79,14 +85,17 @@ class PrecisePrefixCacheProducer(PrefixProducer):
 
     type: ClassVar[str] = "precise-prefix-cache-producer"
 
-    def __init__(self, name: str, params: PrecisePrefixParameters) -> None:
+    def __init__(
+        self, name: str, params: PrecisePrefixParameters, routing: RoutingState | None = None
+    ) -> None:
         super().__init__(name)
         self.params = params
-        self.source = PrecisePrefixCacheScorer(name, params)
+        self.source = PrecisePrefixCacheScorer(name, params, routing)
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        return cls(name, decode_parameters(PrecisePrefixParameters, cls.type, name, parameters))
+        params = decode_parameters(PrecisePrefixParameters, cls.type, name, parameters)
+        return cls(name, params, routing_state(ctx))
 
 
 # -- producers whose data servegate keeps anyway, or computes elsewhere -----------------
@@ -300,14 +309,19 @@ class BurstPrefixCacheProducer(PrefixProducer):
 
     type: ClassVar[str] = "burst-prefix-cache-producer"
 
-    def __init__(self, name: str, params: BurstPrefixParameters) -> None:
+    def __init__(
+        self, name: str, params: BurstPrefixParameters, routing: RoutingState | None = None
+    ) -> None:
         super().__init__(name)
         self.params = params
-        self.source = PrefixCacheScorer(name, ApproxPrefixParameters.model_validate({}))
+        self.source = PrefixCacheScorer(
+            name, ApproxPrefixParameters.model_validate({}), routing=routing
+        )
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        return cls(name, decode_parameters(BurstPrefixParameters, cls.type, name, parameters))
+        params = decode_parameters(BurstPrefixParameters, cls.type, name, parameters)
+        return cls(name, params, routing_state(ctx))
 
     def startup_warnings(self) -> list[str]:
         return [

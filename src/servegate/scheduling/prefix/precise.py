@@ -47,6 +47,7 @@ from servegate.scheduling.prefix.events import (
 )
 from servegate.scheduling.prefix.hashing import chain_seed, token_block_hashes
 from servegate.scheduling.request import LLMRequest
+from servegate.scheduling.routing_state import PRECISE_INDEX, RoutingState, routing_state
 
 DEFAULT_TIER_WEIGHTS = {"gpu": 1.0, "cpu": 0.8}
 MAX_TIERS = 8
@@ -585,21 +586,33 @@ class PrecisePrefixCacheScorer:
 
     type: ClassVar[str] = "precise-prefix-cache-scorer"
 
-    def __init__(self, name: str, params: PrecisePrefixParameters) -> None:
+    def __init__(
+        self, name: str, params: PrecisePrefixParameters, routing: RoutingState | None = None
+    ) -> None:
         self.name = name
         self.params = params
         weights: dict[str, float] | None = None
         indexer = params.indexer_config
         if indexer is not None and indexer.backend_configs is not None:
             weights = {b.name.lower(): b.weight for b in indexer.backend_configs}
-        self.index = PreciseIndex(weights, params.max_blocks_per_endpoint)
+        self.routing = routing if routing is not None else RoutingState()
+        """The pool's learned state, which owns this scorer's index: what the KV events
+        taught it survives a picker reload."""
+        self.index = self.routing.shared(
+            PRECISE_INDEX,
+            name,
+            params.model_dump_json(),
+            PreciseIndex,
+            lambda: PreciseIndex(weights, params.max_blocks_per_endpoint),
+        )
         self.default_block_size = params.token_processor().tokens_per_block
         self.max_blocks = params.max_prefix_blocks()
         self.speculative_ttl = parse_duration(params.speculative_ttl)
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        return cls(name, decode_parameters(PrecisePrefixParameters, cls.type, name, parameters))
+        params = decode_parameters(PrecisePrefixParameters, cls.type, name, parameters)
+        return cls(name, params, routing_state(ctx))
 
     def _block_size(self, state: EndpointState) -> int:
         return (
