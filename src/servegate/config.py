@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from servegate.curve import CurveSettings
+from servegate.datalayer.health import HealthSettings
 from servegate.pool.discovery.settings import DiscoverySettings, StaticDiscoverySettings
 from servegate.pool.endpoint import Endpoint, Role
 from servegate.scaleout.settings import ScaleOutSettings
@@ -157,15 +158,6 @@ class OutlierDetectionSettings(_Strict):
     max_ejection_time_s: PositiveFloat = 300.0
     max_ejection_percent: float = Field(50.0, ge=0, le=100)
     """At most this share of serving endpoints ejected at once, and never all of them."""
-
-
-class HealthSettings(_Strict):
-    interval_s: PositiveFloat = 1.0
-    timeout_s: PositiveFloat = 1.0
-    failure_threshold: int = Field(2, ge=1)
-    success_threshold: int = Field(1, ge=1)
-    models_refresh_every: int = Field(10, ge=1)
-    """Re-read the replica's /v1/models every N probes (LoRA adapters come and go)."""
 
 
 class EndpointConfig(_Strict):

@@ -29,7 +29,7 @@ from servegate.config import (
     ServegateConfig,
     read_picker,
 )
-from servegate.datalayer import DataLayer, HealthSettings, ScrapeSettings
+from servegate.datalayer import DataLayer, ScrapeSettings
 from servegate.datalayer.outlier import OutlierDetector
 from servegate.engines.registry import EngineRegistry
 from servegate.gateway.admission import GatewayAdmission, build_admission
@@ -105,13 +105,7 @@ def build_pool_datalayer(
         scrape=ScrapeSettings(
             interval=settings.scrape_interval_s, timeout=settings.scrape_timeout_s
         ),
-        health=HealthSettings(
-            interval=settings.health.interval_s,
-            timeout=settings.health.timeout_s,
-            failure_threshold=settings.health.failure_threshold,
-            success_threshold=settings.health.success_threshold,
-            models_every=settings.health.models_refresh_every,
-        ),
+        health=settings.health,
     )
 
 
