@@ -73,10 +73,9 @@ def build_cache_routing(
     janitor = IndexJanitor(pool, scheduler.plugins)
     manager = None
     if indexes:
+        chosen = kv_events_settings(scheduler.plugins, pool_cfg.kv_events)
         manager = KVEventsManager(
-            pool,
-            [*indexes.values(), janitor],
-            kv_events_settings(scheduler.plugins, pool_cfg.kv_events),
+            pool, [*indexes.values(), janitor], chosen.settings, auto=chosen.auto
         )
         registry.register(KVEventsCollector(manager.stats, indexes))
     headers = tuple(p for p in scheduler.plugins.values() if isinstance(p, ResponseHeaders))

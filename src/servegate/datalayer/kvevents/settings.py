@@ -1,82 +1,90 @@
 """Where the KV-event subscribers listen: the pool's settings, else llm-d's plugin config.
 
-The precise prefix scorer's parameters may carry llm-d's `kvEventsConfig`; reading
-them here (not in the plugin) keeps the scheduler free of transport settings.
+`KVEventsSettings` is defined once, here: it is the pool's `kv_events` in the config
+(config.py imports it) and what the manager reads. The precise prefix scorer's
+parameters may carry llm-d's `kvEventsConfig`; reading them here (not in the plugin)
+keeps the scheduler free of transport settings.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
-from servegate.config import KVEventsPoolSettings
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from servegate.curve import CurveSettings
 from servegate.scheduling.framework import Plugin
 from servegate.scheduling.prefix.precise import precise_owners
 
-
-@dataclass(frozen=True, slots=True)
-class KVEventsSettings:
-    """Where replicas publish, when their endpoints do not say."""
-
-    port: int | None = None
-    """Derive `tcp://<replica host>:<port>` for replicas without their own endpoint."""
-    replay_port: int | None = None
-    """Derive the replay socket `tcp://<host>:<replay_port>` the same way."""
-    topic_filter: str = ""
-    """ZMQ subscription prefix; "" receives every topic."""
-    bind_endpoint: str | None = None
-    """A SUB socket to bind for all replicas (`tcp://*:5557`, `tcp://127.0.0.1:5557`)."""
-    replay_timeout_s: float = 2.0
-    curve: CurveSettings | None = None
-    """CURVE: a bound socket admits only authorized publisher keys; with `server_key_file`
-    set, per-replica (connected) sockets are CURVE clients of publishers holding that key
-    (relays that are CURVE servers); without it they stay plain, as vLLM publishes."""
-    allow_unauthenticated_bind: bool = False
-    """Run a bind socket without `curve`: messages are accepted only from the TCP address of
-    the pool member their topic names. Without this (or `curve`) bind mode stays off."""
-    auto: bool = False
-    """Nothing configured: `port` is llm-d's convention, used for replicas alone on their
-    host, and a topic that names another replica is dropped."""
-
-
 AUTO_PORT = 5557
 
 
-def kv_events_settings(
-    plugins: Mapping[str, Plugin], pool: KVEventsPoolSettings
-) -> KVEventsSettings:
+class KVEventsSettings(BaseModel):
+    """Where replicas publish KV events when their endpoint entry does not say."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    port: int | None = Field(None, ge=1, le=65535)
+    """Subscribe to `tcp://<replica host>:<port>` for every replica."""
+    replay_port: int | None = Field(None, ge=1, le=65535)
+    """Ask `tcp://<replica host>:<replay_port>` to replay batches lost to a gap."""
+    topic_filter: str = ""
+    """ZMQ subscription prefix; "" receives every topic."""
+    bind: str | None = None
+    """Bind one SUB socket (`tcp://*:5557`) that every replica publishes to instead; needs
+    `curve` or `allow_unauthenticated_bind` (the topic alone would name the replica)."""
+    replay_timeout_s: float = Field(2.0, gt=0)
+    curve: CurveSettings | None = None
+    """ZeroMQ CURVE keys: with `bind`, only publishers with an authorized key are heard; with
+    `server_key_file`, per-replica sockets connect as CURVE clients to publishers holding that
+    key (relays); docs/cache-routing.md."""
+    allow_unauthenticated_bind: bool = False
+    """`bind` without `curve`: believe a message only from the TCP address of the replica its
+    topic names, with a warning at start."""
+
+    @model_validator(mode="after")
+    def _bind_is_authenticated(self) -> KVEventsSettings:
+        if self.bind is not None and self.curve is None and not self.allow_unauthenticated_bind:
+            raise ValueError(
+                "kv_events.bind trusts the topic to name the replica: set kv_events.curve "
+                "(authenticated publishers) or kv_events.allow_unauthenticated_bind: true, or "
+                "use kv_events.port (the gateway connects to each replica's own socket)"
+            )
+        return self
+
+
+class ChosenKVEvents(NamedTuple):
+    """What the subscribers use, and whether it is llm-d's convention (nothing configured:
+    `port` is used for replicas alone on their host, and a topic that names another
+    replica is dropped)."""
+
+    settings: KVEventsSettings
+    auto: bool
+
+
+def kv_events_settings(plugins: Mapping[str, Plugin], pool: KVEventsSettings) -> ChosenKVEvents:
     """The subscribers' settings: the pool's `kv_events`, else llm-d's `kvEventsConfig`,
-    else llm-d's convention (`auto`: port 5557 of each replica's host)."""
+    else llm-d's convention (`auto`: port 5557 of each replica's host).
+
+    llm-d's `zmqEndpoint` is taken as it is, even without authentication (`model_copy`
+    does not validate): the manager then keeps bind mode off and says why."""
     if pool.port is not None or pool.bind is not None:
-        return KVEventsSettings(
-            port=pool.port,
-            replay_port=pool.replay_port,
-            topic_filter=pool.topic_filter,
-            bind_endpoint=pool.bind,
-            replay_timeout_s=pool.replay_timeout_s,
-            curve=pool.curve,
-            allow_unauthenticated_bind=pool.allow_unauthenticated_bind,
-        )
+        return ChosenKVEvents(pool, auto=False)
     for plugin in precise_owners(plugins).values():
         llmd = plugin.params.kv_events_config
         if llmd is None or not (llmd.discover_pods or llmd.zmq_endpoint):
             continue
         discovery = llmd.pod_discovery_config
-        return KVEventsSettings(
-            port=(discovery.socket_port if discovery else 5557) if llmd.discover_pods else None,
-            replay_port=pool.replay_port,
-            topic_filter=llmd.topic_filter,
-            bind_endpoint=llmd.zmq_endpoint or None,
-            replay_timeout_s=pool.replay_timeout_s,
-            curve=pool.curve,
-            allow_unauthenticated_bind=pool.allow_unauthenticated_bind,
+        port = (discovery.socket_port if discovery else 5557) if llmd.discover_pods else None
+        chosen = pool.model_copy(
+            update={
+                "port": port,
+                "topic_filter": llmd.topic_filter,
+                "bind": llmd.zmq_endpoint or None,
+            }
         )
-    return KVEventsSettings(
-        port=AUTO_PORT,
-        replay_port=pool.replay_port,
-        topic_filter=pool.topic_filter,
-        replay_timeout_s=pool.replay_timeout_s,
-        curve=pool.curve,
-        auto=True,
+        return ChosenKVEvents(chosen, auto=False)
+    return ChosenKVEvents(
+        pool.model_copy(update={"port": AUTO_PORT, "allow_unauthenticated_bind": False}), auto=True
     )
