@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from servegate.gateway.logging import AccessRecord
+from servegate.gateway.access_log import AccessRecord
 
 if TYPE_CHECKING:
     from servegate.control.lease import Lease

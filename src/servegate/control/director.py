@@ -27,9 +27,9 @@ import orjson
 from servegate.control.context import NO_HEADERS, RequestContext
 from servegate.control.errors import GatewayError, ModelNotFound, NoEndpoints, clip
 from servegate.control.lease import Lease
+from servegate.gateway.access_log import AccessRecord
 from servegate.gateway.admission import QUEUE_DURATION_HEADER, queue_ms
 from servegate.gateway.headers import SUBSET_HEADER, model_rewrite_of, within_subset
-from servegate.gateway.logging import AccessRecord
 from servegate.gateway.model_routing import Routed
 from servegate.gateway.parse import parse_request, strip_gateway_fields, with_model
 from servegate.scheduling.framework import CycleState, NoCandidates
@@ -38,7 +38,7 @@ from servegate.scheduling.scheduler import result_as_dict
 
 if TYPE_CHECKING:
     from servegate.control.snapshot import RoutingSnapshot
-    from servegate.gateway.logging import AccessLog
+    from servegate.gateway.access_log import AccessLog
     from servegate.gateway.metrics import GatewayMetrics
     from servegate.gateway.pools import PoolRuntime
     from servegate.gateway.ui import DecisionLog

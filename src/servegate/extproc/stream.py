@@ -44,10 +44,10 @@ from servegate.extproc.protocol import (
     subset_hint,
 )
 from servegate.extproc.usage import UsageTap
+from servegate.gateway.access_log import AccessRecord
 from servegate.gateway.app import Gateway
 from servegate.gateway.errors import BodyTooLarge, GatewayError, error_body
 from servegate.gateway.headers import SERVED_HEADER
-from servegate.gateway.logging import AccessRecord
 from servegate.gateway.openapi import PASSTHROUGH
 from servegate.gateway.proxy import ROUTING_HEADERS
 from servegate.scheduling.request import LLMRequest, RequestKind

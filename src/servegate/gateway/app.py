@@ -29,6 +29,7 @@ from servegate.control.snapshot import RoutingSnapshot
 from servegate.datalayer import DataLayer
 from servegate.datalayer.outlier import OutlierDetector
 from servegate.engines.registry import EngineRegistry
+from servegate.gateway.access_log import AccessLog
 from servegate.gateway.admin import add_admin_routes
 from servegate.gateway.admission import GatewayAdmission
 from servegate.gateway.cache_routing import CacheRouting
@@ -56,7 +57,6 @@ from servegate.gateway.errors import (
 from servegate.gateway.headers import (
     subset_of,
 )
-from servegate.gateway.logging import AccessLog
 from servegate.gateway.metrics import GatewayMetrics
 from servegate.gateway.model_routing import RoutingTable
 from servegate.gateway.openapi import PASSTHROUGH, serve_openapi

@@ -36,8 +36,8 @@ from servegate.config import DisaggregationSettings, GatewaySettings
 from servegate.control.context import RequestContext
 from servegate.control.upstream import sidecar_headers as sidecar_headers
 from servegate.datalayer.scraper import TOO_LARGE, FetchError
+from servegate.gateway.access_log import AccessRecord
 from servegate.gateway.errors import InternalError, describe
-from servegate.gateway.logging import AccessRecord
 from servegate.gateway.metrics import GatewayMetrics
 from servegate.gateway.proxy import Proxy, Route
 from servegate.gateway.transport import UpstreamResponse, UpstreamTransport

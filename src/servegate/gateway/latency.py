@@ -30,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from servegate.control.errors import Dropped
-from servegate.gateway.logging import AccessRecord
+from servegate.gateway.access_log import AccessRecord
 from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
 from servegate.scheduling.framework import CycleState, Decision, Plugin

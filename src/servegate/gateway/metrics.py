@@ -40,7 +40,7 @@ from prometheus_client.utils import floatToGoString as _go_float
 from servegate import __version__
 
 if TYPE_CHECKING:
-    from servegate.gateway.logging import AccessRecord
+    from servegate.gateway.access_log import AccessRecord
     from servegate.pool.pool import Pool
     from servegate.scheduling.framework import Decision
     from servegate.scheduling.scheduler import Scheduler

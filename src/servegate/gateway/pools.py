@@ -1,6 +1,7 @@
 """One pool's runtime: its live state, its scheduler, its flow control, its proxy.
 
-The live part (`PoolState`: the Pool, its data layer, discovery, passive health)
+The live part (`PoolState`: the Pool, its data layer, discovery, passive health, and
+what routing learned: the latency predictor, prefix indexes, session bindings)
 outlives a reload that leaves the pool's own settings alone; the routing part
 (`PoolRuntime`: scheduler, admission, cache routing, proxy) is rebuilt when its
 picker or flow control change. A request keeps the runtime it started with.
@@ -28,7 +29,7 @@ from servegate.config import (
     ServegateConfig,
     read_picker,
 )
-from servegate.datalayer import DataLayer, HealthSettings, ScrapeSettings
+from servegate.datalayer import DataLayer, ScrapeSettings
 from servegate.datalayer.outlier import OutlierDetector
 from servegate.engines.registry import EngineRegistry
 from servegate.gateway.admission import GatewayAdmission, build_admission
@@ -44,11 +45,12 @@ from servegate.gateway.triton import TritonTranslator
 from servegate.pool.discovery import Discovery, start_discovery
 from servegate.pool.pool import Pool
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
+from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.latency.predictor import SERVICE_KEY as LATENCY_SERVICE
 from servegate.scheduling.latency.predictor import LatencyPredictor
-from servegate.scheduling.prefix.tokenize import TokenizerError
-from servegate.scheduling.registry import PluginContext
+from servegate.scheduling.routing_state import ROUTING_STATE_SERVICE, RoutingState
 from servegate.scheduling.scheduler import Scheduler
+from servegate.tokenization.sources import TokenizerError
 
 log = logging.getLogger("servegate.gateway")
 
@@ -69,6 +71,9 @@ class PoolState:
     started: bool = False
     latency: LatencyPredictor = field(default_factory=LatencyPredictor)
     """The pool's latency predictor: learned state that survives picker reloads."""
+    routing: RoutingState = field(default_factory=RoutingState)
+    """The pool's prefix indexes and session bindings: learned state that survives picker
+    reloads; the KV-event manager and scale-out feed it, plugins receive it as a service."""
 
     def same_as(self, settings: PoolSettings, outlier: OutlierDetectionSettings) -> bool:
         return self.settings == settings and self.outlier_settings == outlier
@@ -101,13 +106,7 @@ def build_pool_datalayer(
         scrape=ScrapeSettings(
             interval=settings.scrape_interval_s, timeout=settings.scrape_timeout_s
         ),
-        health=HealthSettings(
-            interval=settings.health.interval_s,
-            timeout=settings.health.timeout_s,
-            failure_threshold=settings.health.failure_threshold,
-            success_threshold=settings.health.success_threshold,
-            models_every=settings.health.models_refresh_every,
-        ),
+        health=settings.health,
     )
 
 
@@ -224,7 +223,7 @@ def build_runtime(
         picker_doc if picker_doc is not None else DEFAULT_PICKER_CONFIG,
         PluginContext(
             staleness_s=settings.metrics_staleness_s,
-            services={LATENCY_SERVICE: state.latency},
+            services={LATENCY_SERVICE: state.latency, ROUTING_STATE_SERVICE: state.routing},
         ),
     )
     try:

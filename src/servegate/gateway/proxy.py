@@ -33,6 +33,7 @@ from servegate.config import GatewaySettings
 from servegate.control.context import RequestContext
 from servegate.datalayer.outlier import OutlierDetector
 from servegate.engines.registry import EngineRegistry, UnknownEngineError
+from servegate.gateway.access_log import AccessRecord
 from servegate.gateway.errors import (
     GatewayError,
     InternalError,
@@ -47,7 +48,6 @@ from servegate.gateway.errors import (
     sse_error_event,
 )
 from servegate.gateway.headers import DESTINATION_HEADER, SERVED_HEADER
-from servegate.gateway.logging import AccessRecord
 from servegate.gateway.metrics import GatewayMetrics
 from servegate.gateway.retry import RetryBudget
 from servegate.gateway.transport import UpstreamResponse, UpstreamTransport

@@ -45,7 +45,7 @@ from servegate.gateway.errors import (
 )
 from servegate.gateway.parse import decode_body
 from servegate.pool.endpoint import Endpoint
-from servegate.scheduling.prefix.tokenize import LocalTokenizer, TokenizerError, local_tokenizer
+from servegate.tokenization.sources import LocalTokenizer, TokenizerError, local_tokenizer
 
 TRITON_ENGINE = "triton-tensorrt-llm"
 TRITON_ADAPTER = "triton-generate"
