@@ -6,10 +6,10 @@ Three listeners, as the Gateway API Inference Extension's picker has them:
     9003  gRPC  grpc.health.v1.Health: `liveness`, `readiness`, the ExternalProcessor's name
     9090  HTTP  /metrics (the HTTP gateway's metrics), /health, /ready
 
-The `Gateway` is the HTTP gateway's (`build_gateway`): same pool, data layer,
-scheduler, flow control and metrics. On stop: readiness goes NOT_SERVING,
-queued requests are turned away, open streams get `shutdown_grace_s` to finish,
-then the data layer stops.
+The `Gateway` is the HTTP gateway's (`build_gateway`): the same Director, every
+pool's runtime (data layer, discovery, scheduler, flow control) and metrics. On
+stop: readiness goes NOT_SERVING, queued requests are turned away, open streams get
+`shutdown_grace_s` to finish, then the runtimes stop.
 """
 
 from __future__ import annotations
