@@ -108,14 +108,15 @@ class AiohttpTransport:
         if session is not None:
             await session.close()
 
-    async def post(
+    def post(
         self,
         url: str,
         body: bytes,
         headers: Mapping[str, str],
         total_s: float | None,
         connect_s: float | None,
-    ) -> UpstreamResponse:
+    ) -> Awaitable[UpstreamResponse]:
+        """aiohttp's own awaitable (no coroutine of ours around it: this is per attempt)."""
         session = self.session
         if session is None:
             raise aiohttp.ClientConnectionError("the gateway is not running")
@@ -123,7 +124,7 @@ class AiohttpTransport:
         if timeout is None:
             timeout = aiohttp.ClientTimeout(total=total_s, sock_connect=connect_s)
             self._timeouts[(total_s, connect_s)] = timeout
-        return await session.post(
+        return session.post(
             url,
             data=body,
             headers=headers,
