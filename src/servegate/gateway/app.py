@@ -210,7 +210,9 @@ def build_runtimes(
 ) -> tuple[tuple[PoolRuntime, ...], RoutingTable]:
     """Every pool's runtime and the model routing table; raises before starting anything."""
     runtimes = tuple(
-        build_runtime(config, entry, metrics, transport, budget, config_dir, previous)
+        build_runtime(
+            config, entry, metrics, config_dir, previous, transport=transport, budget=budget
+        )
         for entry in config.pool_entries()
     )
     routing = RoutingTable.from_config(config.model_rewrites)

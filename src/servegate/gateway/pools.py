@@ -40,7 +40,7 @@ from servegate.gateway.latency import LatencyRouting
 from servegate.gateway.metrics import GatewayMetrics, PluginDurationCollector, with_aliases
 from servegate.gateway.proxy import Proxy
 from servegate.gateway.retry import RetryBudget
-from servegate.gateway.transport import UpstreamTransport
+from servegate.gateway.transport import AiohttpTransport, UpstreamTransport
 from servegate.gateway.triton import TritonTranslator
 from servegate.pool.discovery import Discovery, start_discovery
 from servegate.pool.pool import Pool
@@ -200,13 +200,15 @@ def build_runtime(
     config: ServegateConfig,
     entry: PoolEntry,
     metrics: GatewayMetrics,
-    transport: UpstreamTransport,
-    budget: RetryBudget | None,
     config_dir: Path | None = None,
     previous: Iterable[PoolRuntime] = (),
+    *,
+    transport: UpstreamTransport | None = None,
+    budget: RetryBudget | None = None,
 ) -> PoolRuntime:
-    """A runtime for `entry`, reusing a previous one (or its live state) when nothing it
-    depends on changed. Raises on bad settings before anything is started."""
+    """A runtime for `entry`, complete (its proxy over `transport`, aiohttp by default),
+    reusing a previous one (or its live state) when nothing it depends on changed.
+    Raises on bad settings before anything is started."""
     settings = entry.base()
     picker_doc = read_picker(entry.picker, config_dir)
     state: PoolState | None = None
@@ -237,6 +239,7 @@ def build_runtime(
     cache = build_cache_routing(
         config.model_copy(update={"pool": settings}), state.pool, scheduler, registry
     )
+    transport = transport or AiohttpTransport()
     proxy = Proxy(transport, config.gateway, metrics, state.outlier, budget, triton, state.engines)
     disagg = build_disaggregator(
         config.gateway, config.disaggregation, scheduler.plugins, proxy, transport, state.pool,
