@@ -25,11 +25,13 @@ from pydantic import (
 
 from servegate.datalayer.health import HealthSettings
 from servegate.datalayer.kvevents.settings import KVEventsSettings
+from servegate.datalayer.outlier import OutlierDetectionSettings
 from servegate.pool.discovery.settings import DiscoverySettings, StaticDiscoverySettings
 from servegate.pool.endpoint import Endpoint, Role
 from servegate.scaleout.settings import ScaleOutSettings
 from servegate.scheduling.affinity import SESSION_ID_HEADER
 from servegate.scheduling.flowcontrol.settings import FlowControlSettings
+from servegate.tokenization.settings import TokenizerSettings
 
 ENV_PREFIX = "SERVEGATE_"
 
@@ -149,17 +151,6 @@ class RetrySettings(_Strict):
     backoff_max_s: float = Field(0.25, ge=0)
 
 
-class OutlierDetectionSettings(_Strict):
-    enabled: bool = True
-    consecutive_failures: int = Field(5, ge=1)
-    """Failed attempts in a row (connect, timeout, 5xx, cut stream) that eject an endpoint."""
-    base_ejection_time_s: PositiveFloat = 30.0
-    """First ejection's length; the n-th in a row lasts n times this."""
-    max_ejection_time_s: PositiveFloat = 300.0
-    max_ejection_percent: float = Field(50.0, ge=0, le=100)
-    """At most this share of serving endpoints ejected at once, and never all of them."""
-
-
 class EndpointConfig(_Strict):
     url: str
     engine: str | None = None
@@ -203,32 +194,6 @@ class EndpointConfig(_Strict):
             kv_events_replay=self.kv_events_replay,
             pool=pool,
         )
-
-
-class TokenizerSettings(_Strict):
-    """How the gateway turns a request into the token ids the engine will see (for
-    prefix routing): learned per model from the replicas (`auto`, the default: the
-    model folder named by `/v1/models` when readable, else the engine's `/tokenize`,
-    prefix-cached), a HuggingFace folder (`hf`, with its chat template), the engine's
-    own `/tokenize` (`engine`, cached per body, `fallback` on failure), the
-    simulator's built-in tokenizer (`simulator`), or no ids (`chars`)."""
-
-    source: Literal["auto", "hf", "engine", "simulator", "chars"] = "auto"
-    path: str | None = None
-    """The HuggingFace tokenizer folder (tokenizer.json, tokenizer_config.json)."""
-    fallback: Literal["hf", "simulator", "chars"] = "chars"
-    """For `engine`: what to use when `/tokenize` fails or times out."""
-    cache_size: int = Field(8192, ge=0)
-    """For `engine`: request bodies whose token ids are remembered; for `auto`: prompt
-    chunks and conversation prefixes."""
-    timeout_s: PositiveFloat = 2.0
-    """For `engine`: the longest a `/tokenize` call may take."""
-
-    @model_validator(mode="after")
-    def _needs_path(self) -> TokenizerSettings:
-        if (self.source == "hf" or self.fallback == "hf") and not self.path:
-            raise ValueError("an `hf` tokenizer needs `path`: the folder with tokenizer.json")
-        return self
 
 
 class ModelDeclaration(_Strict):

@@ -164,6 +164,27 @@ def test_the_scheduler_imports_no_io_data_plane_or_config(graph: dict[str, set[s
     assert scheduler_violations(graph) == []
 
 
+def test_components_define_their_settings_and_config_imports_them(
+    graph: dict[str, set[str]],
+) -> None:
+    """Settings are defined once, beside the component that reads them (health checks,
+    KV events, outlier detection, tokenisation, flow control); config.py imports them, so
+    no component imports config.py."""
+    components = ("servegate.datalayer", "servegate.tokenization", "servegate.scheduling")
+    offenders = sorted(
+        module
+        for module, targets in graph.items()
+        if module.startswith(components) and "servegate.config" in targets
+    )
+    assert offenders == []
+    assert {
+        "servegate.datalayer.health",
+        "servegate.datalayer.kvevents.settings",
+        "servegate.datalayer.outlier",
+        "servegate.tokenization.settings",
+    } <= graph["servegate.config"]
+
+
 def test_the_checks_find_what_they_look_for(tmp_path: Path) -> None:
     """A lazy import in a function closes a cycle; an import under TYPE_CHECKING does not;
     a scheduler module that imports aiohttp or the config is named."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client import CollectorRegistry
 
-from servegate.config import ServegateConfig, TokenizerSettings
+from servegate.config import ServegateConfig
 from servegate.datalayer.kvevents import KVEventsCollector, KVEventsManager
 from servegate.datalayer.kvevents.settings import kv_events_settings
 from servegate.gateway.routing_signals import IndexJanitor, RoutingSignals, SignalsCollector
@@ -27,6 +27,7 @@ from servegate.scheduling.prefix.precise import precise_indexes
 from servegate.scheduling.request import LLMRequest
 from servegate.scheduling.scheduler import Scheduler
 from servegate.tokenization.routing import RoutingTokenizers
+from servegate.tokenization.settings import TokenizerSettings
 
 
 @dataclass(slots=True)

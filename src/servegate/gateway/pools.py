@@ -23,14 +23,13 @@ from prometheus_client.registry import Collector
 
 from servegate.config import (
     ConfigError,
-    OutlierDetectionSettings,
     PoolEntry,
     PoolSettings,
     ServegateConfig,
     read_picker,
 )
 from servegate.datalayer import DataLayer, ScrapeSettings
-from servegate.datalayer.outlier import OutlierDetector
+from servegate.datalayer.outlier import OutlierDetectionSettings, OutlierDetector
 from servegate.engines.registry import EngineRegistry
 from servegate.gateway.admission import GatewayAdmission, build_admission
 from servegate.gateway.cache_routing import CacheRouting, build_cache_routing

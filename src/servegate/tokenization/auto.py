@@ -50,9 +50,9 @@ import orjson
 import xxhash
 
 from servegate import tokenizer_folder as hf_folder
-from servegate.config import TokenizerSettings
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.request import LLMRequest, RequestKind
+from servegate.tokenization.settings import TokenizerSettings
 from servegate.tokenization.sources import (
     CHAT_OPTIONS,
     HFTokenizer,

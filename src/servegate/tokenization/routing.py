@@ -13,10 +13,10 @@ from typing import Any
 
 import aiohttp
 
-from servegate.config import TokenizerSettings
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.request import LLMRequest
 from servegate.tokenization.auto import AutoTokenizer
+from servegate.tokenization.settings import TokenizerSettings
 from servegate.tokenization.sources import (
     TOKEN_IDS_KEY,
     AsyncTokenizer,

@@ -35,10 +35,10 @@ import orjson
 import xxhash
 
 from servegate import tokenizer_folder as hf_folder
-from servegate.config import TokenizerSettings
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.simulator import tokenizer as sim_tokenizer
+from servegate.tokenization.settings import TokenizerSettings
 
 TOKEN_IDS_KEY = "token_ids"
 CHAT_OPTIONS = (
