@@ -408,13 +408,14 @@ def per_call_us(fn: Any, n: int) -> float:
 
 
 async def micro(args: argparse.Namespace) -> None:
-    from servegate.config import TokenizerSettings
     from servegate.datalayer.kvevents import decode_batch
     from servegate.scheduling.prefix.precise import PreciseIndex
-    from servegate.scheduling.prefix.tokenize import HFTokenizer, RoutingTokenizers
     from servegate.scheduling.request import LLMRequest, RequestKind
     from servegate.simulator import kv_cache
     from servegate.simulator.kv_events import encode_batch
+    from servegate.tokenization.routing import RoutingTokenizers
+    from servegate.tokenization.settings import TokenizerSettings
+    from servegate.tokenization.sources import HFTokenizer
 
     rng = random.Random(1)
     text = words(rng, 2000)

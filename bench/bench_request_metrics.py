@@ -19,7 +19,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from servegate.gateway.logging import AccessRecord
+from servegate.gateway.access_log import AccessRecord
 from servegate.gateway.metrics import (
     DECISION_BUCKETS,
     LATENCY_BUCKETS,

@@ -24,8 +24,8 @@ import time
 
 from servegate.pool.endpoint import LoraInfo, Role
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
+from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.framework import CycleState
-from servegate.scheduling.registry import PluginContext
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.testing.endpoints import random_endpoint_states
 

@@ -20,6 +20,7 @@ import sys
 import time
 
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
+from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.framework import CycleState
 from servegate.scheduling.latency.plugins import (
     LatencyScorer,
@@ -28,7 +29,6 @@ from servegate.scheduling.latency.plugins import (
 )
 from servegate.scheduling.latency.predictor import SERVICE_KEY, LatencyPredictor
 from servegate.scheduling.prefix.approx import ApproxPrefixParameters, PrefixCacheScorer
-from servegate.scheduling.registry import PluginContext
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.testing.endpoints import random_endpoint_states
 

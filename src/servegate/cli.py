@@ -85,7 +85,7 @@ def serve(
     ] = None,
 ) -> None:
     """Run the gateway."""
-    from servegate.gateway.logging import configure_logging
+    from servegate.gateway.access_log import configure_logging
     from servegate.gateway.reload import ConfigSource
     from servegate.gateway.server import run
 

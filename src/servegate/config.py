@@ -23,12 +23,15 @@ from pydantic import (
     model_validator,
 )
 
-from servegate.curve import CurveSettings
+from servegate.datalayer.health import HealthSettings
+from servegate.datalayer.kvevents.settings import KVEventsSettings
+from servegate.datalayer.outlier import OutlierDetectionSettings
 from servegate.pool.discovery.settings import DiscoverySettings, StaticDiscoverySettings
 from servegate.pool.endpoint import Endpoint, Role
 from servegate.scaleout.settings import ScaleOutSettings
 from servegate.scheduling.affinity import SESSION_ID_HEADER
 from servegate.scheduling.flowcontrol.settings import FlowControlSettings
+from servegate.tokenization.settings import TokenizerSettings
 
 ENV_PREFIX = "SERVEGATE_"
 
@@ -148,26 +151,6 @@ class RetrySettings(_Strict):
     backoff_max_s: float = Field(0.25, ge=0)
 
 
-class OutlierDetectionSettings(_Strict):
-    enabled: bool = True
-    consecutive_failures: int = Field(5, ge=1)
-    """Failed attempts in a row (connect, timeout, 5xx, cut stream) that eject an endpoint."""
-    base_ejection_time_s: PositiveFloat = 30.0
-    """First ejection's length; the n-th in a row lasts n times this."""
-    max_ejection_time_s: PositiveFloat = 300.0
-    max_ejection_percent: float = Field(50.0, ge=0, le=100)
-    """At most this share of serving endpoints ejected at once, and never all of them."""
-
-
-class HealthSettings(_Strict):
-    interval_s: PositiveFloat = 1.0
-    timeout_s: PositiveFloat = 1.0
-    failure_threshold: int = Field(2, ge=1)
-    success_threshold: int = Field(1, ge=1)
-    models_refresh_every: int = Field(10, ge=1)
-    """Re-read the replica's /v1/models every N probes (LoRA adapters come and go)."""
-
-
 class EndpointConfig(_Strict):
     url: str
     engine: str | None = None
@@ -213,64 +196,6 @@ class EndpointConfig(_Strict):
         )
 
 
-class TokenizerSettings(_Strict):
-    """How the gateway turns a request into the token ids the engine will see (for
-    prefix routing): learned per model from the replicas (`auto`, the default: the
-    model folder named by `/v1/models` when readable, else the engine's `/tokenize`,
-    prefix-cached), a HuggingFace folder (`hf`, with its chat template), the engine's
-    own `/tokenize` (`engine`, cached per body, `fallback` on failure), the
-    simulator's built-in tokenizer (`simulator`), or no ids (`chars`)."""
-
-    source: Literal["auto", "hf", "engine", "simulator", "chars"] = "auto"
-    path: str | None = None
-    """The HuggingFace tokenizer folder (tokenizer.json, tokenizer_config.json)."""
-    fallback: Literal["hf", "simulator", "chars"] = "chars"
-    """For `engine`: what to use when `/tokenize` fails or times out."""
-    cache_size: int = Field(8192, ge=0)
-    """For `engine`: request bodies whose token ids are remembered; for `auto`: prompt
-    chunks and conversation prefixes."""
-    timeout_s: PositiveFloat = 2.0
-    """For `engine`: the longest a `/tokenize` call may take."""
-
-    @model_validator(mode="after")
-    def _needs_path(self) -> TokenizerSettings:
-        if (self.source == "hf" or self.fallback == "hf") and not self.path:
-            raise ValueError("an `hf` tokenizer needs `path`: the folder with tokenizer.json")
-        return self
-
-
-class KVEventsPoolSettings(_Strict):
-    """Where replicas publish KV events when their endpoint entry does not say."""
-
-    port: int | None = Field(None, ge=1, le=65535)
-    """Subscribe to `tcp://<replica host>:<port>` for every replica."""
-    replay_port: int | None = Field(None, ge=1, le=65535)
-    """Ask `tcp://<replica host>:<replay_port>` to replay batches lost to a gap."""
-    topic_filter: str = ""
-    """ZMQ subscription prefix; "" receives every topic."""
-    bind: str | None = None
-    """Bind one SUB socket (`tcp://*:5557`) that every replica publishes to instead; needs
-    `curve` or `allow_unauthenticated_bind` (the topic alone would name the replica)."""
-    replay_timeout_s: PositiveFloat = 2.0
-    curve: CurveSettings | None = None
-    """ZeroMQ CURVE keys: with `bind`, only publishers with an authorized key are heard; with
-    `server_key_file`, per-replica sockets connect as CURVE clients to publishers holding that
-    key (relays); docs/cache-routing.md."""
-    allow_unauthenticated_bind: bool = False
-    """`bind` without `curve`: believe a message only from the TCP address of the replica its
-    topic names, with a warning at start."""
-
-    @model_validator(mode="after")
-    def _bind_is_authenticated(self) -> KVEventsPoolSettings:
-        if self.bind is not None and self.curve is None and not self.allow_unauthenticated_bind:
-            raise ValueError(
-                "kv_events.bind trusts the topic to name the replica: set kv_events.curve "
-                "(authenticated publishers) or kv_events.allow_unauthenticated_bind: true, or "
-                "use kv_events.port (the gateway connects to each replica's own socket)"
-            )
-        return self
-
-
 class ModelDeclaration(_Strict):
     id: str
     parent: str | None = None
@@ -296,7 +221,7 @@ class PoolSettings(_Strict):
     tokenizer: TokenizerSettings | None = None
     """Tokenisation for routing, for every model without its own; None = `source: auto`
     (`{source: chars}` turns it off)."""
-    kv_events: KVEventsPoolSettings = KVEventsPoolSettings()
+    kv_events: KVEventsSettings = KVEventsSettings()
     discovery: DiscoverySettings = StaticDiscoverySettings()
     """`static`: `endpoints` only; `kubernetes`: also follow pods (see pool/discovery/settings.py)."""
 

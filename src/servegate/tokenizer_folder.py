@@ -1,7 +1,7 @@
 """A HuggingFace tokenizer folder's chat template and special tokens, read and rendered like vLLM.
 
 Two parts of servegate render these templates: routing tokenisation
-(`scheduling/prefix/tokenize.py`, whose ids must equal the engine's) and the Triton
+(`tokenization/sources.py`, whose ids must equal the engine's) and the Triton
 translation (`gateway/chat_template.py`, whose text is the prompt the engine gets).
 They must find the same template, pass the same variables and render in the same
 sandbox, so both take those from here. jinja2 is imported only when a sandbox is

@@ -20,9 +20,9 @@ from test_kv_events import BLOCK, complete, prompt
 
 from servegate.datalayer.kvevents import EventBatch, KVEventStream, SubscriberStats
 from servegate.scheduling.prefix.precise import PreciseIndex
-from servegate.scheduling.prefix.tokenize import HFTokenizer
 from servegate.testing.tinymodel import TinyModel
 from servegate.testing.vllm_cluster import VllmCluster, VllmServer
+from servegate.tokenization.sources import HFTokenizer
 
 ADDRESS = "replica"
 

@@ -43,8 +43,8 @@ from servegate.scaleout.prefix import PrefixSharing
 from servegate.scaleout.replica import LINK_MAX_BYTES, ReplicaLink
 from servegate.scaleout.settings import ScaleOutSettings
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
+from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.prefix.approx import PrefixCacheScorer
-from servegate.scheduling.registry import PluginContext
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.scheduling.scheduler import Scheduler
 

@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from servegate.control.director import Director
 from servegate.gateway import app as app_module
 from servegate.testing.gateway import GatewayRunner
 from tests.hostile.replica import MODEL, Replica, gateway_config, ready
@@ -92,7 +93,7 @@ async def test_an_unexpected_exception_is_an_openai_500(
             def broken(*args: object, **kwargs: object) -> None:
                 raise RuntimeError("a bug")
 
-            monkeypatch.setattr(app_module, "route_request", broken)
+            monkeypatch.setattr(Director, "select_pool", broken)
             monkeypatch.setattr(app_module, "public_models", broken)
             async with http.post(gw.url + "/v1/chat/completions", json=CHAT) as resp:
                 assert resp.status == 500

@@ -21,7 +21,6 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from servegate.config import KVEventsPoolSettings
 from servegate.curve import CurveKeys, CurveSettings, ZapRegistry, create_keys
 from servegate.datalayer.kvevents import (
     AllBlocksCleared,
@@ -130,7 +129,7 @@ async def test_a_bind_endpoint_with_an_address_binds(
 ) -> None:
     bind = f"tcp://127.0.0.1:{free_port()}"
     index = Index()
-    settings = KVEventsSettings(bind_endpoint=bind, allow_unauthenticated_bind=True)
+    settings = KVEventsSettings(bind=bind, allow_unauthenticated_bind=True)
     pool = Pool()
     pool.add(Endpoint("127.0.0.1:8000", "http://127.0.0.1:8000"))
     manager = await started(manager_factory, pool, index, settings)
@@ -155,7 +154,7 @@ async def test_unauthenticated_bind_believes_only_the_replicas_own_address(
 ) -> None:
     bind = f"tcp://127.0.0.1:{free_port()}"
     index = Index()
-    settings = KVEventsSettings(bind_endpoint=bind, allow_unauthenticated_bind=True)
+    settings = KVEventsSettings(bind=bind, allow_unauthenticated_bind=True)
     manager = await started(manager_factory, make_pool(), index, settings)
     (sub,) = manager.subscribers.values()
     honest = Publisher(ctx, bind, source="127.0.0.2")
@@ -219,7 +218,7 @@ async def test_curve_bind_hears_only_authorized_publishers(
     bind = f"tcp://127.0.0.1:{free_port()}"
     index = Index()
     manager = await started(
-        manager_factory, make_pool(), index, KVEventsSettings(bind_endpoint=bind, curve=settings)
+        manager_factory, make_pool(), index, KVEventsSettings(bind=bind, curve=settings)
     )
     (sub,) = manager.subscribers.values()
     relay = ctx.socket(zmq.PUB)
@@ -279,12 +278,14 @@ async def test_bind_without_curve_or_an_explicit_allow_stays_off(
     manager_factory: list[KVEventsManager],
 ) -> None:
     with pytest.raises(pydantic.ValidationError, match="allow_unauthenticated_bind"):
-        KVEventsPoolSettings(bind="tcp://*:5557")
-    KVEventsPoolSettings(bind="tcp://*:5557", allow_unauthenticated_bind=True)
+        KVEventsSettings(bind="tcp://*:5557")
+    KVEventsSettings(bind="tcp://*:5557", allow_unauthenticated_bind=True)
     index = Index()
-    manager = KVEventsManager(
-        make_pool(), [index], KVEventsSettings(bind_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    # what llm-d's zmqEndpoint becomes (kv_events_settings copies it in without validating)
+    unauthenticated = KVEventsSettings().model_copy(
+        update={"bind": f"tcp://127.0.0.1:{free_port()}"}
     )
+    manager = KVEventsManager(make_pool(), [index], unauthenticated)
     manager_factory.append(manager)
     await manager.start()
     assert manager.subscribers == {}  # llm-d's zmqEndpoint path: refused with an error log

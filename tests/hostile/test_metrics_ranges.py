@@ -25,12 +25,12 @@ from servegate.pool.pool import Pool
 from servegate.scaleout.codec import METRICS, EndpointReport, Message, decode, encode
 from servegate.scaleout.metrics import apply
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
+from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.flowcontrol.saturation import (
     ConcurrencyDetector,
     UtilizationDetector,
 )
 from servegate.scheduling.framework import CycleState
-from servegate.scheduling.registry import PluginContext
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.testing.endpoints import endpoint_state
 

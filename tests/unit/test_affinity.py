@@ -9,14 +9,11 @@ from typing import Any, ClassVar
 import pytest
 
 from servegate.pool.endpoint import Endpoint, EndpointState
-from servegate.scheduling.affinity import (
-    NoHitLRUScorer,
-    PrefixCacheAffinityFilter,
-    find_prefix_scorer,
-)
+from servegate.scheduling.affinity import NoHitLRUScorer, PrefixCacheAffinityFilter
 from servegate.scheduling.config import PickerConfigError, load_picker_config
+from servegate.scheduling.factory import PluginContext, PluginParameterError
 from servegate.scheduling.framework import CycleState, Decision, ProfileResult
-from servegate.scheduling.registry import PluginContext, PluginParameterError
+from servegate.scheduling.prefix.lookup import find_prefix_scorer
 from servegate.scheduling.request import LLMRequest, RequestKind
 
 

@@ -68,7 +68,7 @@ def _named(address: str, lora: LoraInfo | None) -> EndpointState:
 @pytest.mark.parametrize("seed", range(5))
 def test_the_default_profile_sends_an_adapter_request_where_the_adapter_runs(seed: int) -> None:
     from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
-    from servegate.scheduling.registry import PluginContext
+    from servegate.scheduling.factory import PluginContext
 
     scheduler = load_picker_config(DEFAULT_PICKER_CONFIG, PluginContext())
     endpoints = [

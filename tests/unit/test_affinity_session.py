@@ -13,8 +13,8 @@ from servegate.scheduling.affinity import (
     decode_token,
     encode_token,
 )
+from servegate.scheduling.factory import PluginContext, PluginParameterError
 from servegate.scheduling.framework import CycleState, Decision, ProfileResult
-from servegate.scheduling.registry import PluginContext, PluginParameterError
 from servegate.scheduling.request import LLMRequest, RequestKind
 
 A, B, C = (EndpointState(Endpoint(address=f"10.0.0.{i}:8000", url="http://x")) for i in (1, 2, 3))

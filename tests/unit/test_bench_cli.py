@@ -184,3 +184,14 @@ def test_bad_target_and_bad_trace(tmp_path: Path) -> None:
     )
     assert code == 2
     assert "bad.jsonl:1" in output
+
+
+def test_without_matplotlib_the_bench_stops_before_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No plots possible: exit 2 at once with the install hint, not after a long run."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code, output = bench("--target", "a=http://127.0.0.1:1", "--out", str(tmp_path / "out"))
+    assert code == 2
+    assert "pip install 'servegate[bench]'" in output
+    assert not (tmp_path / "out").exists()

@@ -13,7 +13,7 @@ from servegate.bench.policies import (
     split_available,
 )
 from servegate.scheduling.config import load_picker_config
-from servegate.scheduling.registry import PluginContext
+from servegate.scheduling.factory import PluginContext
 
 
 def test_picker_config_is_one_profile_with_weights_and_the_picker_last() -> None:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import csv
 import struct
+import sys
 from pathlib import Path
 
 import orjson
@@ -11,7 +12,9 @@ from rich.console import Console
 from servegate.bench.client import RequestResult
 from servegate.bench.report import (
     SUMMARY_COLUMNS,
+    PlotsUnavailable,
     markdown_table,
+    plot_sweep,
     rich_progress,
     time_axis_scale,
     verdict,
@@ -231,3 +234,14 @@ def test_time_axis_turns_logarithmic_for_a_wide_spread(
     fastest: float, slowest: float, scale: str
 ) -> None:
     assert time_axis_scale(fastest, slowest) == scale
+
+
+def test_without_matplotlib_a_plot_names_the_extra_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """matplotlib is the optional `bench` extra: missing, the message says how to get it."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    runs = runs_for([LoadPoint(LoadKind.CONCURRENCY, 1), LoadPoint(LoadKind.CONCURRENCY, 2)], True)
+    with pytest.raises(PlotsUnavailable, match=r"pip install 'servegate\[bench\]'"):
+        plot_sweep(tmp_path / "sweep.png", [summarize(run) for run in runs], runs)
+    assert not (tmp_path / "sweep.png").exists()

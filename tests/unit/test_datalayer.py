@@ -13,7 +13,7 @@ from servegate.pool.endpoint import Endpoint
 from servegate.pool.pool import Pool
 
 FAST_SCRAPE = ScrapeSettings(interval=0.05, timeout=0.3)
-FAST_HEALTH = HealthSettings(interval=0.05, timeout=0.3)
+FAST_HEALTH = HealthSettings(interval_s=0.05, timeout_s=0.3)
 MODELS: list[dict[str, object]] = [{"id": "tiny", "parent": None}]
 IN_FLIGHT = 2
 """Requests an endpoint may still receive once its tasks are cancelled: a scrape and a

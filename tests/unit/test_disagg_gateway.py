@@ -28,8 +28,8 @@ from servegate.gateway.disagg import (
 from servegate.pool.endpoint import Endpoint, EndpointState
 from servegate.scheduling.config import load_picker_config
 from servegate.scheduling.disagg import DisaggHeadersHandler, PrefixBasedPDDecider
+from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.framework import Decision, Plugin
-from servegate.scheduling.registry import PluginContext
 from servegate.testing.endpoints import endpoint_state
 from servegate.testing.gateway import GatewayRunner
 

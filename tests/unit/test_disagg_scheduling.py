@@ -18,9 +18,9 @@ from servegate.scheduling.disagg import (
     PdProfileHandler,
     PrefixBasedPDDecider,
 )
+from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.framework import CycleState, Decision
 from servegate.scheduling.prefix.approx import PrefixCacheScorer
-from servegate.scheduling.registry import PluginContext
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.scheduling.scheduler import Scheduler
 from servegate.testing.endpoints import endpoint_state

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from servegate.pool.endpoint import ROLE_LABEL, Role
+from servegate.scheduling.factory import PluginContext, PluginParameterError
 from servegate.scheduling.filters import (
     DecodeFilter,
     FreshMetricsFilter,
@@ -16,7 +17,6 @@ from servegate.scheduling.filters import (
     role_of,
 )
 from servegate.scheduling.framework import CycleState
-from servegate.scheduling.registry import PluginContext, PluginParameterError
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.testing.endpoints import addresses, endpoint_state
 

@@ -2,6 +2,7 @@ import random
 
 import pytest
 
+from servegate.scheduling.factory import PluginContext, PluginParameterError
 from servegate.scheduling.flowcontrol import (
     ConcurrencyDetector,
     ConcurrencyParameters,
@@ -9,7 +10,6 @@ from servegate.scheduling.flowcontrol import (
     UtilizationParameters,
 )
 from servegate.scheduling.framework import CycleState
-from servegate.scheduling.registry import PluginContext, PluginParameterError
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.testing.endpoints import endpoint_state
 

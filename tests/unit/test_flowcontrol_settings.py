@@ -2,6 +2,7 @@ import pytest
 
 from servegate.config import ConfigError, parse_config
 from servegate.scheduling.config import PickerConfigError, load_picker_config
+from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.flowcontrol import (
     FlowControlSectionError,
     FlowControlSettings,
@@ -10,7 +11,6 @@ from servegate.scheduling.flowcontrol import (
 )
 from servegate.scheduling.flowcontrol.queues import BandLimits
 from servegate.scheduling.flowcontrol.units import parse_duration, parse_quantity
-from servegate.scheduling.registry import PluginContext
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ import io
 import orjson
 import pytest
 
-from servegate.gateway.logging import AccessLog, AccessRecord
+from servegate.gateway.access_log import AccessLog, AccessRecord
 
 
 class CountingStream(io.BytesIO):

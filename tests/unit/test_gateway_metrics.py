@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from servegate.gateway.access_log import AccessRecord
 from servegate.gateway.errors import (
     BadRequest,
     BodyTooLarge,
@@ -17,7 +18,6 @@ from servegate.gateway.errors import (
     TtlExpired,
     UpstreamFailed,
 )
-from servegate.gateway.logging import AccessRecord
 from servegate.gateway.metrics import (
     BoundedLabel,
     GatewayMetrics,

@@ -50,7 +50,7 @@ def make_checker(
     pool = Pool()
     endpoint = Endpoint(replica.address, replica.url, engine=engine)
     state = pool.add(endpoint)
-    defaults: dict[str, float] = {"interval": 0.05, "timeout": 0.3}
+    defaults: dict[str, float] = {"interval_s": 0.05, "timeout_s": 0.3}
     checker = HealthChecker(
         pool,
         session,
@@ -133,7 +133,7 @@ async def test_triton_readiness_and_no_models(
 async def test_models_are_refreshed_every_n_good_probes(
     replica: FakeReplica, session: aiohttp.ClientSession
 ) -> None:
-    _, state, checker = make_checker(replica, session, models_every=3)
+    _, state, checker = make_checker(replica, session, models_refresh_every=3)
     await checker.probe_once()  # probe 1 reads the list
     replica.set_models([*VLLM_MODELS, {"id": "a2", "parent": "tiny"}])
     await checker.probe_once()  # 2
@@ -240,11 +240,25 @@ def test_parse_models_errors(body: bytes) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        pytest.param({"interval": 0.0}, "at least 0.05", id="interval"),
-        pytest.param({"timeout": -1.0}, "timeout must be positive", id="timeout"),
-        pytest.param({"failure_threshold": 0}, "failure_threshold", id="failure-threshold"),
-        pytest.param({"success_threshold": 0}, "success_threshold", id="success-threshold"),
-        pytest.param({"models_every": 0}, "models_every", id="models-every"),
+        pytest.param(
+            {"interval_s": 0.0}, r"interval_s\n.*greater than or equal to 0.05", id="interval"
+        ),
+        pytest.param({"timeout_s": -1.0}, r"timeout_s\n.*greater than 0", id="timeout"),
+        pytest.param(
+            {"failure_threshold": 0},
+            r"failure_threshold\n.*greater than or equal to 1",
+            id="failure-threshold",
+        ),
+        pytest.param(
+            {"success_threshold": 0},
+            r"success_threshold\n.*greater than or equal to 1",
+            id="success-threshold",
+        ),
+        pytest.param(
+            {"models_refresh_every": 0},
+            r"models_refresh_every\n.*greater than or equal to 1",
+            id="models-every",
+        ),
     ],
 )
 def test_settings_validation(kwargs: dict[str, float], message: str) -> None:

@@ -62,7 +62,7 @@ def endpoint(address: str = "10.0.0.1:8000", **kw: str | None) -> Endpoint:
         ),
         pytest.param(
             endpoint(),
-            KVEventsSettings(port=5557, bind_endpoint="tcp://*:5557"),
+            KVEventsSettings(port=5557, bind="tcp://*:5557", allow_unauthenticated_bind=True),
             None,
             id="global-socket-mode-has-no-per-replica-socket",
         ),
@@ -127,7 +127,7 @@ async def test_global_socket_mode_attributes_batches_by_topic() -> None:
     pool = Pool()
     pool.add(endpoint("a:1"))
     index = Index()
-    settings = KVEventsSettings(bind_endpoint="tcp://127.0.0.1:*", allow_unauthenticated_bind=True)
+    settings = KVEventsSettings(bind="tcp://127.0.0.1:*", allow_unauthenticated_bind=True)
     manager = KVEventsManager(pool, [index], settings)
     await manager.start()
     try:
@@ -159,7 +159,7 @@ async def test_auto_subscribes_replicas_alone_on_their_host_and_follows_the_pool
     pool = Pool()
     pool.add(endpoint("127.0.0.2:8000"))
     pool.add(endpoint("127.0.0.3:8000"))
-    manager = KVEventsManager(pool, [Index()], KVEventsSettings(port=5557, auto=True))
+    manager = KVEventsManager(pool, [Index()], KVEventsSettings(port=5557), auto=True)
     await manager.start()
     try:
         assert set(manager.subscribers) == {"127.0.0.2:8000", "127.0.0.3:8000"}

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from servegate.gateway.access_log import AccessRecord
 from servegate.gateway.latency import LatencyRouting
-from servegate.gateway.logging import AccessRecord
 from servegate.pool.endpoint import Endpoint, EndpointMetrics, EndpointState
 from servegate.scheduling.framework import CycleState, Decision
 from servegate.scheduling.latency.predictor import LatencyPredictor

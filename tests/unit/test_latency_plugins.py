@@ -9,6 +9,7 @@ import pytest
 
 from servegate.pool.endpoint import Endpoint, EndpointMetrics, EndpointState
 from servegate.scheduling.config import load_picker_config
+from servegate.scheduling.factory import PluginContext, PluginParameterError
 from servegate.scheduling.framework import CycleState
 from servegate.scheduling.latency.plugins import (
     ARRIVED_KEY,
@@ -21,7 +22,6 @@ from servegate.scheduling.latency.plugins import (
 )
 from servegate.scheduling.latency.predictor import SERVICE_KEY, LatencyPredictor
 from servegate.scheduling.latency.slo import NO_SLO, Slo, slo_of
-from servegate.scheduling.registry import PluginContext, PluginParameterError
 from servegate.scheduling.request import LLMRequest, RequestKind
 
 HEAD = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"

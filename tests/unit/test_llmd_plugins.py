@@ -18,12 +18,12 @@ from servegate.pool.endpoint import ROLE_LABEL, EndpointState
 from servegate.scheduling.admitters import ProbabilisticAdmitter
 from servegate.scheduling.config import PickerConfigError, load_picker_config
 from servegate.scheduling.disagg import DECODE_ONLY, PREFILL_DECODE
+from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.flowcontrol.settings import FlowControlSettings, from_picker_sections
 from servegate.scheduling.framework import CycleState, Decision, NoCandidates
 from servegate.scheduling.prefix.approx import PrefixCacheScorer
+from servegate.scheduling.prefix.lookup import PrefixProducer
 from servegate.scheduling.prefix.precise import PrecisePrefixCacheScorer, precise_indexes
-from servegate.scheduling.producers import PrefixProducer
-from servegate.scheduling.registry import PluginContext
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.scheduling.scheduler import Scheduler
 from servegate.scheduling.scorers import range_score
@@ -935,7 +935,7 @@ async def test_the_gateway_pins_the_rank_behind_one_api_server() -> None:
 def test_the_pd_decider_counts_cpu_offloaded_blocks_in_full() -> None:
     """llm-d's decider counts cached blocks unweighted: three blocks offloaded to CPU
     save 12 of 16 prompt tokens, not 0.8 × 12."""
-    from servegate.datalayer.kvevents.events import BlockStored, EventBatch
+    from servegate.scheduling.prefix.events import BlockStored, EventBatch
 
     scheduler = load(
         "plugins:\n- type: prefill-filter\n- type: decode-filter\n"
@@ -966,7 +966,7 @@ def test_the_pd_decider_counts_cpu_offloaded_blocks_in_full() -> None:
 
 
 def test_p2p_source_counts_only_the_peers_cpu_tier_with_a_precise_index() -> None:
-    from servegate.datalayer.kvevents.events import BlockStored, EventBatch
+    from servegate.scheduling.prefix.events import BlockStored, EventBatch
 
     scheduler = load(
         "plugins:\n- type: precise-prefix-cache-producer\n"

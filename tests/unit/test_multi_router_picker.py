@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
+from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.prefix.approx import PrefixCacheScorer
-from servegate.scheduling.registry import PluginContext
 
 PICKER = Path(__file__).parents[2] / "deploy" / "pickers" / "multi-router.yaml"
 

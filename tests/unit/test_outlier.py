@@ -1,7 +1,6 @@
 import pytest
 
-from servegate.config import OutlierDetectionSettings
-from servegate.datalayer.outlier import OutlierDetector
+from servegate.datalayer.outlier import OutlierDetectionSettings, OutlierDetector
 from servegate.pool.pool import Pool
 from servegate.testing.endpoints import endpoint_state
 

@@ -19,11 +19,12 @@ from servegate.scheduling.config import (
     load_picker_config,
     parse_picker_config,
 )
+from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.filters import DecodeFilter, LabelSelectorFilter
 from servegate.scheduling.framework import CycleState
 from servegate.scheduling.pickers import MaxScorePicker, WeightedRandomPicker
 from servegate.scheduling.profiles import SingleProfileHandler
-from servegate.scheduling.registry import PluginContext, builtin_registry
+from servegate.scheduling.registry import builtin_registry
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.scheduling.scheduler import Scheduler
 from servegate.scheduling.scorers import LoadAwareScorer, QueueScorer

@@ -10,6 +10,7 @@ import pytest
 
 from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
+from servegate.scheduling.factory import PluginContext, PluginParameterError
 from servegate.scheduling.framework import CycleState
 from servegate.scheduling.pickers import (
     MaxScorePicker,
@@ -17,7 +18,6 @@ from servegate.scheduling.pickers import (
     RoundRobinPicker,
     WeightedRandomPicker,
 )
-from servegate.scheduling.registry import PluginContext, PluginParameterError
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.testing.endpoints import addresses, endpoint_state
 

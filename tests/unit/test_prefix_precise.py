@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from servegate.config import KVEventsPoolSettings
 from servegate.datalayer.kvevents import (
     AllBlocksCleared,
     BlockRemoved,
@@ -17,19 +16,22 @@ from servegate.datalayer.kvevents import (
     EventBatch,
     decode_batch,
 )
-from servegate.datalayer.kvevents.manager import KVEventsSettings
+from servegate.datalayer.kvevents.settings import (
+    ChosenKVEvents,
+    KVEventsSettings,
+    kv_events_settings,
+)
 from servegate.pool.endpoint import Endpoint, EndpointState
+from servegate.scheduling.factory import PluginContext, PluginParameterError
 from servegate.scheduling.framework import CycleState, Decision
 from servegate.scheduling.prefix.hashing import token_block_hashes
 from servegate.scheduling.prefix.precise import (
     PreciseIndex,
     PrecisePrefixCacheScorer,
     PrecisePrefixParameters,
-    kv_events_settings,
     lora_seed,
     parse_duration,
 )
-from servegate.scheduling.registry import PluginContext, PluginParameterError
 from servegate.scheduling.request import LLMRequest, RequestKind
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "real" / "kv_events"
@@ -401,33 +403,37 @@ def test_bad_durations(text: str) -> None:
     ("pool", "params", "expected"),
     [
         pytest.param(
-            KVEventsPoolSettings(port=5557, replay_port=5558),
-            {},
             KVEventsSettings(port=5557, replay_port=5558),
+            {},
+            ChosenKVEvents(KVEventsSettings(port=5557, replay_port=5558), auto=False),
             id="pool-port",
         ),
         pytest.param(
-            KVEventsPoolSettings(),
+            KVEventsSettings(),
             {"kvEventsConfig": {"discoverPods": True, "podDiscoveryConfig": {"socketPort": 6000}}},
-            KVEventsSettings(port=6000, topic_filter="kv@"),
+            ChosenKVEvents(KVEventsSettings(port=6000, topic_filter="kv@"), auto=False),
             id="llm-d-discover-pods",
         ),
         pytest.param(
-            KVEventsPoolSettings(),
+            KVEventsSettings(),
             {"kvEventsConfig": {"zmqEndpoint": "tcp://*:5557"}},
-            KVEventsSettings(bind_endpoint="tcp://*:5557", topic_filter="kv@"),
+            # taken as given, unauthenticated: the manager keeps bind mode off and says why
+            ChosenKVEvents(
+                KVEventsSettings(topic_filter="kv@").model_copy(update={"bind": "tcp://*:5557"}),
+                auto=False,
+            ),
             id="llm-d-global-socket",
         ),
         pytest.param(
-            KVEventsPoolSettings(),
+            KVEventsSettings(),
             {},
-            KVEventsSettings(port=5557, auto=True),
+            ChosenKVEvents(KVEventsSettings(port=5557), auto=True),
             id="nothing-configured-llm-d-convention",
         ),
     ],
 )
 def test_transport_settings(
-    pool: KVEventsPoolSettings, params: dict[str, Any], expected: KVEventsSettings
+    pool: KVEventsSettings, params: dict[str, Any], expected: ChosenKVEvents
 ) -> None:
     assert kv_events_settings({"p": scorer(**params)}, pool) == expected
 

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from servegate.scheduling.factory import PluginContext, PluginParameterError
 from servegate.scheduling.framework import (
     CycleState,
     ProfileHandler,
@@ -14,7 +15,6 @@ from servegate.scheduling.framework import (
 )
 from servegate.scheduling.pickers import MaxScorePicker
 from servegate.scheduling.profiles import ProfileSetCheck, SingleProfileHandler
-from servegate.scheduling.registry import PluginContext, PluginParameterError
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.testing.endpoints import addresses, endpoint_state
 

@@ -9,15 +9,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from servegate.config import ServegateConfig
-from servegate.datalayer.kvevents.events import AllBlocksCleared, BlockStored, EventBatch
 from servegate.gateway.cache_routing import build_cache_routing
 from servegate.pool.endpoint import Endpoint, EndpointMetrics
 from servegate.pool.pool import Pool
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
+from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.framework import Decision
 from servegate.scheduling.prefix.approx import PrefixCacheScorer
+from servegate.scheduling.prefix.events import AllBlocksCleared, BlockStored, EventBatch
 from servegate.scheduling.prefix.precise import PrecisePrefixCacheScorer
-from servegate.scheduling.registry import PluginContext
 from servegate.scheduling.request import LLMRequest, RequestKind
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"

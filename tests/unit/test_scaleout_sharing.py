@@ -28,10 +28,11 @@ from servegate.scaleout.metrics import MetricsSharing
 from servegate.scaleout.prefix import PrefixSharing
 from servegate.scaleout.settings import ScaleOutSettings
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
+from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.framework import Decision
 from servegate.scheduling.prefix.approx import PrefixCacheScorer
-from servegate.scheduling.registry import PluginContext
 from servegate.scheduling.request import LLMRequest, RequestKind
+from servegate.scheduling.routing_state import ROUTING_STATE_SERVICE, RoutingState
 
 SETTINGS = ScaleOutSettings(heartbeat_s=0.5, expiry_s=2.0, coalesce_s=0.0)
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -180,7 +181,42 @@ async def test_prefix_insertions_are_published_and_remote_ones_inserted_silently
     assert len(bus.published) == 1
     assert (sharing.applied, sharing.unmatched) == (1, 1)
     sharing.stop()
-    assert scorer.on_insert is None
+    scorer.pre_request(llm, Decision(endpoint=state, fallbacks=[]), 1.0)
+    await asyncio.sleep(0.01)
+    assert len(bus.published) == 1  # stopped: the pool's state no longer tells it
+
+
+async def test_after_a_picker_reload_sharing_follows_the_pools_state_without_patching(
+    bus: RecordingBus,
+) -> None:
+    """The index lives in the pool's routing state: the reloaded scheduler's scorer shares
+    it, scale-out stays subscribed once (one publication per insertion), keys the seed on
+    the state, and a peer's insertion lands in the index both schedulers read."""
+    pool = make_pool()
+    state = RoutingState()
+    ctx = PluginContext(staleness_s=2.0, services={ROUTING_STATE_SERVICE: state})
+    before = load_picker_config(DEFAULT_PICKER_CONFIG, ctx)
+    sharing = PrefixSharing(bus, SETTINGS)
+    sharing.seed_key = b"k" * 16
+    sharing.attach([("default", pool, before)])
+    after = load_picker_config(DEFAULT_PICKER_CONFIG, ctx)
+    sharing.attach([("default", pool, after)])
+    old, new = approx_scorer(dict(before.plugins)), approx_scorer(dict(after.plugins))
+    assert new is not old and new.index is old.index
+    assert state.seed_key == new.seed_key == b"k" * 16
+    llm = LLMRequest(
+        kind=RequestKind.COMPLETION, model="m", body={}, prompt="y" * 640, request_id="r",
+        target_model="m", base_model="m",
+    )  # fmt: skip
+    target = pool.get(A)
+    assert target is not None
+    new.pre_request(llm, Decision(endpoint=target, fallbacks=[]), 0.0)
+    await asyncio.sleep(0.01)
+    keys = tuple(new.block_keys(llm))
+    assert [m.body for m in bus.published] == [(PrefixInsert(new.name, A, None, keys),)]
+    bus.receive(Message(PREFIX, "p/1", "default", (PrefixInsert(new.name, B, None, keys),)))
+    assert old.index.match_lengths(keys, [A, B]) == {A: len(keys), B: len(keys)}
+    sharing.stop()
 
 
 def report(address: str, healthy: bool, waiting: float) -> EndpointReport:

@@ -13,15 +13,15 @@ from collections.abc import Collection
 
 import pytest
 
-from servegate.datalayer.kvevents.events import BlockStored
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
+from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.framework import CycleState, Decision, SchedulerProfile, WeightedScorer
 from servegate.scheduling.pickers import MaxScorePicker
 from servegate.scheduling.prefix.approx import PrefixCacheScorer
+from servegate.scheduling.prefix.events import BlockStored
 from servegate.scheduling.prefix.precise import PrecisePrefixCacheScorer
 from servegate.scheduling.profiles import SingleProfileHandler
-from servegate.scheduling.registry import PluginContext
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.scheduling.scheduler import Scheduler, spread_sample
 from servegate.scheduling.scorers import QueueScorer

@@ -8,15 +8,15 @@ import pytest
 from pydantic import Field
 
 from servegate.scheduling.disagg import DisaggHeadersHandler, PDDecider
-from servegate.scheduling.framework import Filter, Picker, Plugin, ProfileHandler, Scorer
-from servegate.scheduling.latency.plugins import LatencySloAdmitter
-from servegate.scheduling.registry import (
+from servegate.scheduling.factory import (
     Parameters,
     PluginContext,
     PluginParameterError,
-    builtin_registry,
     decode_parameters,
 )
+from servegate.scheduling.framework import Filter, Picker, Plugin, ProfileHandler, Scorer
+from servegate.scheduling.latency.plugins import LatencySloAdmitter
+from servegate.scheduling.registry import builtin_registry
 
 
 @runtime_checkable

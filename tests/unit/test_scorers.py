@@ -8,8 +8,8 @@ import random
 import pytest
 
 from servegate.pool.endpoint import EndpointState, LoraInfo
+from servegate.scheduling.factory import PluginContext, PluginParameterError
 from servegate.scheduling.framework import CycleState
-from servegate.scheduling.registry import PluginContext, PluginParameterError
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.scheduling.scorers import (
     ActiveRequestScorer,

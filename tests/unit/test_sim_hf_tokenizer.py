@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from servegate.simulator import tokenizer as builtin
-from servegate.simulator.hf_tokenizer import HFTokenizer
+from servegate.simulator.hf_tokenizer import HFTokenizer, load_tokenizer
 from servegate.testing.cluster import SimCluster
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -46,7 +46,7 @@ def build(folder: Path, template: str | None, *, bos: bool = False) -> Path:
 
 def test_encode_decode_match_the_library(tmp_path: Path) -> None:
     build(tmp_path, None)
-    hf = builtin.load_tokenizer(str(tmp_path))
+    hf = load_tokenizer(str(tmp_path))
     assert isinstance(hf, HFTokenizer)
     reference = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     text = "the cache holds the prefix"

@@ -23,9 +23,11 @@ import orjson
 import typer
 
 from servegate.bench.report import (
+    PlotsUnavailable,
     comparison_lines,
     comparisons,
     markdown_table,
+    require_matplotlib,
     rich_progress,
     write_report,
 )
@@ -225,6 +227,7 @@ def bench_command(
 ) -> None:
     """Compare targets side by side on one seeded workload; write tables, JSON, CSV, plots."""
     try:
+        require_matplotlib()
         targets = tuple(Target.parse(t) for t in target)
         points = load_points(concurrency or [], rate or [], trace_speed)
         plan = BenchPlan(
@@ -265,7 +268,7 @@ def bench_command(
             )
             requests = spec.generate(model=chosen_model, api=chosen_api, seed=seed)
             description = f"{spec!r}, api={chosen_api}, model={chosen_model}, seed={seed}"
-    except (BenchUsageError, TraceError, ValueError, OSError) as exc:
+    except (BenchUsageError, TraceError, ValueError, OSError, PlotsUnavailable) as exc:
         typer.echo(f"servegate bench: {exc}", err=True)
         raise typer.Exit(2) from exc
     if save_trace is not None:

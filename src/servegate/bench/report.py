@@ -6,13 +6,15 @@
 axis when the tail is over 20 times the fastest) and, for sweeps over more than one
 load point, `sweep.png` (latency and throughput versus load).
 Plots use matplotlib's object API with the Agg canvas: no pyplot global state, no
-display needed.
+display needed. matplotlib is the `bench` extra, not a gateway dependency: it is imported
+only when a plot is drawn, and without it `require_matplotlib` says how to install it.
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import importlib.util
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -277,7 +279,28 @@ def time_axis_scale(fastest: float, slowest: float) -> str:
     return "log" if fastest > 0 and slowest > LOG_SCALE_SPREAD * fastest else "linear"
 
 
+class PlotsUnavailable(RuntimeError):
+    """matplotlib (the `bench` extra) is not installed, so no plot can be drawn."""
+
+
+BENCH_EXTRA_HINT = "pip install 'servegate[bench]'"
+
+
+def require_matplotlib() -> None:
+    """Raise `PlotsUnavailable`, naming the extra to install, when matplotlib is missing;
+    the bench command calls it before running so a long run does not end without plots."""
+    try:
+        found = importlib.util.find_spec("matplotlib") is not None
+    except ValueError:  # imported earlier but unusable (`sys.modules["matplotlib"] = None`)
+        found = False
+    if not found:
+        raise PlotsUnavailable(
+            f"the benchmark's plots need matplotlib, an optional extra: {BENCH_EXTRA_HINT}"
+        )
+
+
 def plot_ttft_cdf(path: Path, runs: Sequence[TargetRun]) -> None:
+    require_matplotlib()
     from matplotlib.figure import Figure
     from matplotlib.ticker import ScalarFormatter
 
@@ -350,6 +373,7 @@ def plot_sweep(
 ) -> None:
     """Hit rate, balance, TTFT and throughput against load, one line per target; error
     bars are 95 % intervals of the per-round values when the runs have rounds."""
+    require_matplotlib()
     from matplotlib.figure import Figure
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 

@@ -46,7 +46,14 @@ from servegate.bench.policies import (
     registered_types,
     split_available,
 )
-from servegate.bench.report import comparison_lines, comparisons, rich_progress, write_report
+from servegate.bench.report import (
+    PlotsUnavailable,
+    comparison_lines,
+    comparisons,
+    require_matplotlib,
+    rich_progress,
+    write_report,
+)
 from servegate.bench.runner import (
     BenchPlan,
     LoadKind,
@@ -469,6 +476,7 @@ def standard_command(
 ) -> None:
     """Compare routing policies on a simulated cluster; write reports (and refresh docs)."""
     try:
+        require_matplotlib()
         spec = StandardSpec(
             replicas=replicas,
             num_blocks=num_blocks,
@@ -483,7 +491,7 @@ def standard_command(
             seed=seed,
         )
         chosen = [policy_named(n) for n in policy] if policy else list(STANDARD_POLICIES)
-    except ValueError as exc:
+    except (ValueError, PlotsUnavailable) as exc:
         typer.echo(f"standard comparison: {exc}", err=True)
         raise typer.Exit(2) from exc
     from servegate.gateway.server import event_loop_factory

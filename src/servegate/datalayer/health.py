@@ -1,6 +1,6 @@
 """Active health checks: readiness probes with thresholds, and the replica's model list.
 
-Each endpoint is probed on its engine's health path every `interval` seconds. An
+Each endpoint is probed on its engine's health path every `interval_s` seconds. An
 unhealthy endpoint becomes healthy after `success_threshold` consecutive good
 probes; a healthy one becomes unhealthy after `failure_threshold` consecutive bad
 ones, so one lost probe does not take a replica out. Any 2xx answer is good
@@ -9,7 +9,7 @@ ones, so one lost probe does not take a replica out. Any 2xx answer is good
 Engines that serve OpenAI's API also list what they serve at `/v1/models`: the
 base model and each LoRA adapter, whose `parent` is the base model. The list is
 read on the first good probe, before the endpoint turns healthy (so it never
-becomes a candidate that serves nothing), and again every `models_every` good
+becomes a candidate that serves nothing), and again every `models_refresh_every` good
 probes, because adapters are loaded and unloaded at run time.
 """
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 import orjson
+from pydantic import BaseModel, ConfigDict, Field
 
 from servegate.datalayer.scraper import MIN_INTERVAL, FetchError, read_limited
 from servegate.engines.spec import EngineSpec
@@ -43,29 +44,23 @@ _MODELS_BODY_LIMIT = 4 * 1024 * 1024
 _ERROR_LOG_EVERY = 60.0
 
 
-@dataclass(frozen=True, slots=True)
-class HealthSettings:
-    interval: float = 1.0
-    """Seconds between probe starts (at least 0.05)."""
-    timeout: float = 1.0
-    """Seconds a probe may take before it counts as failed."""
-    failure_threshold: int = 2
-    """Consecutive failed probes that make a healthy endpoint unhealthy."""
-    success_threshold: int = 1
-    """Consecutive good probes that make an unhealthy endpoint healthy."""
-    models_every: int = 10
-    """Re-read `/v1/models` after this many good probes."""
+class HealthSettings(BaseModel):
+    """Active health checking, defined once: `pool.health` in the config is this model
+    (config.py imports it) and the checker reads it as it is."""
 
-    def __post_init__(self) -> None:
-        if not self.interval >= MIN_INTERVAL:
-            raise ValueError(
-                f"health interval must be at least {MIN_INTERVAL} s, got {self.interval}"
-            )
-        if not self.timeout > 0:
-            raise ValueError(f"health timeout must be positive, got {self.timeout}")
-        for name in ("failure_threshold", "success_threshold", "models_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    interval_s: float = Field(1.0, ge=MIN_INTERVAL)
+    """Seconds between probe starts (at least 0.05)."""
+    timeout_s: float = Field(1.0, gt=0)
+    """Seconds a probe may take before it counts as failed."""
+    failure_threshold: int = Field(2, ge=1)
+    """Consecutive failed probes that make a healthy endpoint unhealthy."""
+    success_threshold: int = Field(1, ge=1)
+    """Consecutive good probes that make an unhealthy endpoint healthy."""
+    models_refresh_every: int = Field(10, ge=1)
+    """Re-read the replica's `/v1/models` after this many good probes (LoRA adapters come
+    and go)."""
 
 
 @dataclass(slots=True)
@@ -114,7 +109,7 @@ class HealthChecker:
         self.models: tuple[ModelEntry, ...] | None = None
         """The last model list read from the replica; None = not read yet."""
         self._clock = clock
-        self._timeout = aiohttp.ClientTimeout(total=self.settings.timeout)
+        self._timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
         self._probes_since_models = 0
         self._last_error_log = -_ERROR_LOG_EVERY
 
@@ -165,7 +160,7 @@ class HealthChecker:
     async def run(self) -> None:
         """Probe every `interval` until cancelled; nothing but cancellation ends it."""
         loop = asyncio.get_running_loop()
-        interval = self.settings.interval
+        interval = self.settings.interval_s
         await asyncio.sleep(random.uniform(0.0, min(interval, 0.1)))
         deadline = loop.time()
         while True:
@@ -186,7 +181,9 @@ class HealthChecker:
 
     def _models_due(self) -> bool:
         self._probes_since_models += 1
-        return self.models is None or self._probes_since_models >= self.settings.models_every
+        return (
+            self.models is None or self._probes_since_models >= self.settings.models_refresh_every
+        )
 
     def _record(self, good: bool, detail: str) -> None:
         stats = self.stats

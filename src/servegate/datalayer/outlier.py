@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from servegate.config import OutlierDetectionSettings
+from pydantic import BaseModel, ConfigDict, Field
+
 from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
 
@@ -36,6 +37,21 @@ class EndpointRecord:
     """Ejections refused by the max-ejection-percent guard."""
     last_ejection_s: float = 0.0
     failures: dict[str, int] = field(default_factory=dict)
+
+
+class OutlierDetectionSettings(BaseModel):
+    """Passive health, defined once: the config's `outlier_detection` is this model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    consecutive_failures: int = Field(5, ge=1)
+    """Failed attempts in a row (connect, timeout, 5xx, cut stream) that eject an endpoint."""
+    base_ejection_time_s: float = Field(30.0, gt=0)
+    """First ejection's length; the n-th in a row lasts n times this."""
+    max_ejection_time_s: float = Field(300.0, gt=0)
+    max_ejection_percent: float = Field(50.0, ge=0, le=100)
+    """At most this share of serving endpoints ejected at once, and never all of them."""
 
 
 class OutlierDetector:

@@ -98,6 +98,10 @@ class EngineSpec:
     rank_label: str | None = None
     """The label naming the data-parallel rank of an engine series (vLLM: `engine`); with
     it the parser keeps each rank's waiting + running (`EndpointMetrics.rank_load`)."""
+    request_adapter: str | None = None
+    """The adapter that turns an OpenAI request into this engine's own API and its answer
+    back (`triton-generate`: Triton's `generate` / `generate_stream`); None: the engine
+    speaks OpenAI and gets the client's bytes as they are."""
 
     def signal(self, name: str) -> Signal:
         if name not in SIGNALS:

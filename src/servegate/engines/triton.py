@@ -24,6 +24,7 @@ SPEC = EngineSpec(
     metrics_port=METRICS_PORT,
     health_path="/v2/health/ready",
     openai_models=False,
+    request_adapter="triton-generate",
     waiting=(MetricSpec(REQUESTS, labels=(("request_type", "waiting"),)),),
     running=(MetricSpec(REQUESTS, labels=(("request_type", "scheduled"),)),),
     kv_usage=(

@@ -52,7 +52,7 @@ def extproc_command(
 ) -> None:
     """Serve Envoy's ext_proc protocol as a Gateway API Inference Extension endpoint picker."""
     from servegate.extproc.server import run
-    from servegate.gateway.logging import configure_logging
+    from servegate.gateway.access_log import configure_logging
     from servegate.scheduling.config import PickerConfigError
 
     ports = {"port": port, "health_port": health_port, "metrics_port": metrics_port}

@@ -6,10 +6,10 @@ Three listeners, as the Gateway API Inference Extension's picker has them:
     9003  gRPC  grpc.health.v1.Health: `liveness`, `readiness`, the ExternalProcessor's name
     9090  HTTP  /metrics (the HTTP gateway's metrics), /health, /ready
 
-The `Gateway` is the HTTP gateway's (`build_gateway`): same pool, data layer,
-scheduler, flow control and metrics. On stop: readiness goes NOT_SERVING,
-queued requests are turned away, open streams get `shutdown_grace_s` to finish,
-then the data layer stops.
+The `Gateway` is the HTTP gateway's (`build_gateway`): the same Director, every
+pool's runtime (data layer, discovery, scheduler, flow control) and metrics. On
+stop: readiness goes NOT_SERVING, queued requests are turned away, open streams get
+`shutdown_grace_s` to finish, then the runtimes stop.
 """
 
 from __future__ import annotations
@@ -35,9 +35,8 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from servegate.config import ExtProcSettings, ServegateConfig
 from servegate.extproc.protocol import SERVICE_NAME, Message, ProtocolMismatch
 from servegate.extproc.stream import ExtProcStream
-from servegate.gateway.app import Gateway, build_datalayer, build_gateway
+from servegate.gateway.app import Gateway, build_gateway, start_runtimes
 from servegate.gateway.cluster_policy import apply_cluster_policy
-from servegate.pool.discovery import Discovery, start_discovery
 
 log = logging.getLogger("servegate.extproc")
 
@@ -83,9 +82,13 @@ def _metrics_app(gw: Gateway) -> web.Application:
         return web.Response(text="ok")
 
     async def ready(_: web.Request) -> web.Response:
-        count = gw.pool.ready_count()
+        count = sum(r.pool.ready_count() for r in gw.runtimes)
         body = orjson.dumps(
-            {"ready": count > 0, "ready_endpoints": count, "endpoints": len(gw.pool)}
+            {
+                "ready": count > 0,
+                "ready_endpoints": count,
+                "endpoints": sum(len(r.pool) for r in gw.runtimes),
+            }
         )
         return web.Response(
             status=200 if count else 503, body=body, content_type="application/json"
@@ -111,21 +114,18 @@ class ExtProcServer:
         self._health_grpc: grpc.aio.Server | None = None
         self._health: Any = None
         self._metrics: web.AppRunner | None = None
-        self._session: aiohttp.ClientSession | None = None
-        self._discovery: Discovery | None = None
+        self._started = False
 
     async def start(self) -> None:
         gw, settings = self.gw, self.settings
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
-        self._session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
+        gw.transport.open()
+        gw.control = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar()
         )
-        gw.session = self._session
-        gw.datalayer = build_datalayer(gw, self._session)
-        await gw.datalayer.start()
-        await gw.cache_routing.start(self._session)
-        self._discovery = await start_discovery(gw.config.pool.discovery, gw.pool)
-        gw.default.state.discovery = self._discovery  # its objectives reach admission
+        # every pool, as in HTTP mode: data layer, discovery (its objectives reach
+        # admission), routing tokenizers
+        await start_runtimes(gw, gw.runtimes)
+        self._started = True
         apply_cluster_policy(gw)
 
         self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
@@ -164,23 +164,23 @@ class ExtProcServer:
         if self._health is not None:
             for service in ("readiness", SERVICE_NAME):
                 await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        if gw.admission is not None:
-            turned_away = gw.admission.close()
-            if turned_away:
-                log.info("shutting down: turned away %d queued requests", turned_away)
+        turned_away = sum(r.admission.close() for r in gw.runtimes)
+        if turned_away:
+            log.info("shutting down: turned away %d queued requests", turned_away)
         if self._grpc is not None:
             await self._grpc.stop(grace)
         if self._health_grpc is not None:
             await self._health_grpc.stop(0)
         if self._metrics is not None:
             await self._metrics.cleanup()
-        if self._discovery is not None:
-            await self._discovery.stop()
-        await gw.cache_routing.stop()
-        if gw.datalayer is not None:
-            await gw.datalayer.stop()
-        if self._session is not None:
-            await self._session.close()
+        if self._started:
+            self._started = False
+            for runtime in gw.runtimes:
+                await runtime.stop(keep_state=False)
+        if gw.control is not None:
+            await gw.control.close()
+            gw.control = None
+        await gw.transport.close()
 
     async def __aenter__(self) -> ExtProcServer:
         try:

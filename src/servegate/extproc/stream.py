@@ -7,11 +7,15 @@ metadata, route cache cleared), the body in chunks, the trailers response when
 trailers came. A request that cannot be routed gets an `ImmediateResponse`
 instead and the stream ends.
 
+Routing is the `Director`'s (`control/director.py`), exactly as in HTTP mode: this
+module is the adapter that reads Envoy's messages and writes the Director's answer
+back as header mutations.
+
 Response path: headers, body chunks and trailers are answered one for one and
 at once (bodies unchanged); usage is read on the side for the token metrics.
-The in-flight count taken on the primary endpoint moves to the endpoint the
-proxy reports as the server, and is released at the end of the response or
-when the stream breaks off, whichever comes first.
+The request's lease (its in-flight count, taken on the primary endpoint) moves to
+the endpoint the proxy reports as the server, and is released at the end of the
+response or when the stream breaks off, whichever comes first.
 """
 
 from __future__ import annotations
@@ -20,9 +24,8 @@ import time
 import uuid
 from enum import Enum
 
-import orjson
-
-from servegate.extproc.picker import Routed, admit, pick, pick_any, resolve_model
+from servegate.control.context import RequestContext
+from servegate.extproc.picker import Routed, envoy_route, pick_any
 from servegate.extproc.protocol import (
     DESTINATION_KEY,
     Message,
@@ -41,19 +44,13 @@ from servegate.extproc.protocol import (
     subset_hint,
 )
 from servegate.extproc.usage import UsageTap
-from servegate.gateway.admission import QUEUE_DURATION_HEADER, queue_ms
+from servegate.gateway.access_log import AccessRecord
 from servegate.gateway.app import Gateway
 from servegate.gateway.errors import BodyTooLarge, GatewayError, error_body
 from servegate.gateway.headers import SERVED_HEADER
-from servegate.gateway.logging import AccessRecord
-from servegate.gateway.metrics import RequestSeries
 from servegate.gateway.openapi import PASSTHROUGH
-from servegate.gateway.parse import parse_request, strip_gateway_fields, with_model
 from servegate.gateway.proxy import ROUTING_HEADERS
-from servegate.gateway.tenants import Tenant
-from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.request import LLMRequest, RequestKind
-from servegate.scheduling.scheduler import result_as_dict
 
 INFERENCE_PATHS = {
     "/v1/chat/completions": RequestKind.CHAT,
@@ -96,27 +93,26 @@ class ExtProcStream:
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
+        self.director = gw.director
         self.started = time.monotonic()
         self.phase = Phase.REQUEST
         self.finished = False
-        self.record: AccessRecord | None = None
+        self.ctx: RequestContext | None = None
         self.routed: Routed | None = None
-        self.llm: LLMRequest | None = None
-        self._headers: dict[str, str] = {}
         self._path = ""
-        self._rid = ""
         self._subset: tuple[str, ...] | None = None
         self._body = bytearray()
         self._body_seen = False
-        self._held: EndpointState | None = None
-        self._tokens = 0
-        self._admitted = False
-        self._queued_s = 0.0
-        self._series: RequestSeries | None = None
-        self._error_code: str | None = None
-        self._request_bytes = 0
         self._tap: UsageTap | None = None
         self._closed = False
+
+    @property
+    def record(self) -> AccessRecord | None:
+        return self.ctx.record if self.ctx is not None else None
+
+    @property
+    def llm(self) -> LLMRequest | None:
+        return self.ctx.llm if self.ctx is not None else None
 
     async def handle(self, request: Message) -> list[Message]:
         kind = kind_of(request)
@@ -142,11 +138,10 @@ class ExtProcStream:
         message = request.request_headers
         all_headers = headers_of(message.headers)
         self._path = all_headers.get(":path", "").split("?", 1)[0]
-        self._headers = {k: v for k, v in all_headers.items() if not k.startswith(":")}
-        self._rid = request_id(self._headers)
+        headers = {k: v for k, v in all_headers.items() if not k.startswith(":")}
         self._subset = subset_hint(request)
-        self.record = AccessRecord(
-            request_id=self._rid, method=all_headers.get(":method", ""), path=self._path
+        self.ctx = self.director.begin(
+            request_id(headers), all_headers.get(":method", ""), self._path, headers, self.started
         )
         if message.end_of_stream:
             return self._route_any(b"", body_sent=False, end_of_stream=True)
@@ -155,12 +150,12 @@ class ExtProcStream:
     async def _on_request_body(self, request: Message) -> list[Message]:
         if self.phase is not Phase.REQUEST:
             return []
-        if self.record is None:
+        if self.ctx is None:
             raise ProtocolMismatch("a request body arrived before the request headers")
         chunk = request.request_body
         self._body_seen = True
         self._body += chunk.body
-        limit = self.gw.config.gateway.max_body_bytes
+        limit = self.ctx.snapshot.config.gateway.max_body_bytes
         if len(self._body) > limit:
             return [self._reject(BodyTooLarge(f"request body exceeds the limit of {limit} bytes"))]
         if not chunk.end_of_stream:
@@ -176,60 +171,45 @@ class ExtProcStream:
         return out
 
     async def _route(self, body_sent: bool, end_of_stream: bool) -> list[Message]:
-        record = self.record
-        if record is None:
+        ctx = self.ctx
+        if ctx is None:
             raise ProtocolMismatch("the request ended before its headers arrived")
         body = bytes(self._body)
         self._body = bytearray()
         kind = kind_for(self._path, bool(body))
         if kind is None:
             return self._route_any(body, body_sent, end_of_stream)
-        gw = self.gw
+        director = self.director
         try:
-            tenant = self._authorise()
-            llm = parse_request(body, kind, self._headers, self._rid)
-            if strip_gateway_fields(llm.body):
-                body = orjson.dumps(llm.body)
-            record.model = llm.model
-            if tenant is not None:
-                record.tenant = tenant.name
-                llm.fairness_id = tenant.fairness_id
-                tenant.admit(llm.prompt_tokens + (llm.max_tokens or 0))
-            resolve_model(gw, llm)
-            record.target_model = llm.target_model
-            self.llm = llm
-            self._request_bytes = len(body)
-            max_priority = tenant.max_priority if tenant is not None else None
-            if gw.admission is not None:
-                llm.priority = gw.admission.priority_of(llm.headers)
-                if max_priority is not None and llm.priority > max_priority:
-                    llm.priority = max_priority
-            self._series = gw.metrics.start(
-                llm.model, llm.target_model, llm.fairness_id, llm.priority
-            )
-            self._queued_s = await admit(gw, llm, len(body), max_priority)
-            self._admitted = True
-            routed = await pick(gw, llm, self._subset)
+            director.authorise(ctx)
+            _, decision = await director.route(ctx, body, kind, self._subset)
         except GatewayError as exc:
             return [self._reject(exc)]
-        self.routed = routed
-        self._tokens = llm.prompt_tokens + (llm.max_tokens or 0)
-        self._hold(routed.targets[0])
-        record.stream = llm.stream
-        if llm.target_model != llm.model:
-            body = with_model(llm, body)
-        set_headers = {DESTINATION_KEY: routed.destinations, "x-request-id": self._rid}
-        return self._forward(routed.destinations, set_headers, body, body_sent, end_of_stream)
+        routed = self.routed = envoy_route(ctx.snapshot, decision)
+        record = ctx.record
+        record.endpoint = decision.endpoint.address
+        if decision.prefill is not None:
+            record.prefill_endpoint = decision.prefill.address
+        if ctx.llm is not None:
+            record.stream = ctx.llm.stream
+        set_headers = {
+            **routed.headers,
+            DESTINATION_KEY: routed.destinations,
+            "x-request-id": ctx.request_id,
+        }
+        return self._forward(routed.destinations, set_headers, ctx.body, body_sent, end_of_stream)
 
     def _route_any(self, body: bytes, body_sent: bool, end_of_stream: bool) -> list[Message]:
+        ctx = self.ctx
+        if ctx is None:
+            raise ProtocolMismatch("the request ended before its headers arrived")
         try:
-            self._authorise()
-            state = pick_any(self.gw, self._subset)
+            self.director.authorise(ctx)
+            state = pick_any(ctx.snapshot, self.director.rng, self._subset, time.monotonic())
         except GatewayError as exc:
             return [self._reject(exc)]
-        if self.record is not None:
-            self.record.endpoint = state.address
-        set_headers = {DESTINATION_KEY: state.address, "x-request-id": self._rid}
+        ctx.record.endpoint = state.address
+        set_headers = {DESTINATION_KEY: state.address, "x-request-id": ctx.request_id}
         return self._forward(state.address, set_headers, body, body_sent, end_of_stream)
 
     def _forward(
@@ -243,7 +223,8 @@ class ExtProcStream:
         if body:
             set_headers["content-length"] = str(len(body))
         remove = [h for h in sorted(ROUTING_HEADERS) if h not in set_headers]
-        if self.gw.tenants.enabled:
+        ctx = self.ctx
+        if ctx is not None and ctx.snapshot.tenants.enabled:
             remove.append("authorization")
         self.phase = Phase.UPSTREAM
         out = [request_headers_response(set_headers, remove, destinations)]
@@ -251,19 +232,12 @@ class ExtProcStream:
             out.extend(request_body_responses(body, end_of_stream))
         return out
 
-    def _authorise(self) -> Tenant | None:
-        return self.gw.tenants.authenticate(self._headers.get("authorization", ""))
-
     def _reject(self, exc: GatewayError) -> Message:
-        if self.record is not None:
-            self.record.status = exc.status
-            self.record.error = exc.message
-        self._error_code = exc.canonical
-        if self._series is None:
-            model = self.record.model if self.record is not None else None
-            self.gw.metrics.error(exc.canonical, model=model or "")
+        ctx = self.ctx
         headers = {"content-type": "application/json", **exc.headers, **exc.extra_headers}
-        headers["x-request-id"] = self._rid
+        if ctx is not None:
+            self.director.fail(ctx, exc)
+            headers["x-request-id"] = ctx.request_id
         self.finished = True
         self.phase = Phase.DONE
         return immediate_response(
@@ -283,26 +257,24 @@ class ExtProcStream:
         self._passive_health(status)
         self._tap = UsageTap("text/event-stream" in headers.get("content-type", ""))
         out_headers = self._response_headers()
-        if self.record is not None:
-            self.record.status = status
+        if self.ctx is not None:
+            self.ctx.record.status = status
         if message.end_of_stream:
             self._finish()
         return [response_headers_response(out_headers)]
 
     def _response_headers(self) -> dict[str, str]:
-        out = {"x-request-id": self._rid}
-        if self.record is not None and self.record.endpoint:
-            out[DESTINATION_KEY] = self.record.endpoint
-            out[SERVED_HEADER] = self.record.endpoint
-        if self.routed is None or self.llm is None:
-            return out
-        out[QUEUE_DURATION_HEADER] = queue_ms(self._queued_s)
-        decision = self.routed.decision
-        self.gw.cache_routing.headers(self.llm, decision, out)
-        if self.gw.config.gateway.debug_headers:
-            result = decision.results.get(decision.profile)
-            if result is not None:
-                out["x-servegate-scores"] = orjson.dumps(result_as_dict(result)).decode()
+        ctx = self.ctx
+        if ctx is None:
+            return {}
+        out = {"x-request-id": ctx.request_id}
+        endpoint = ctx.record.endpoint
+        if endpoint:
+            out[DESTINATION_KEY] = endpoint
+            out[SERVED_HEADER] = endpoint
+        if self.routed is not None:
+            for name, value in ctx.response_headers.items():
+                out[name.lower()] = value
         return out
 
     def _on_response_body(self, request: Message) -> list[Message]:
@@ -320,62 +292,51 @@ class ExtProcStream:
         return [response_body_response(body, chunk.end_of_stream)]
 
     def _settle(self, served: str | None) -> None:
-        """Move the in-flight count to the endpoint that served, when the proxy fell back."""
-        record = self.record
-        if served is None or record is None or served == record.endpoint:
+        """Move the lease to the endpoint that served, when the proxy fell back."""
+        ctx = self.ctx
+        if served is None or ctx is None or served == ctx.record.endpoint:
             return
+        record = ctx.record
         record.endpoint = served
         if self.routed is not None:
             addresses = [s.address for s in self.routed.targets]
             record.retries = addresses.index(served) if served in addresses else len(addresses)
-        if self._held is not None:
-            self.gw.pool.release(self._held, self._tokens)
-            self._held = None
-            state = self.gw.pool.get(served)
+        lease = ctx.lease
+        if lease is not None and lease.state is not None:
+            state = lease.runtime.pool.get(served)
             if state is not None:
-                self._hold(state)
-
-    def _hold(self, state: EndpointState) -> None:
-        self.gw.pool.acquire(state, self._tokens)
-        self._held = state
-        if self.record is not None:
-            self.record.endpoint = state.address
+                lease.move(state)
 
     def _passive_health(self, status: int) -> None:
-        state = self._held
-        outlier = self.gw.outlier
-        if state is None or status == 0:
+        ctx = self.ctx
+        lease = ctx.lease if ctx is not None else None
+        if lease is None or lease.state is None or status == 0:
             return
+        state = lease.state
+        outlier = lease.runtime.state.outlier
         if status >= 500:
-            self.gw.metrics.upstream_errors.labels(state.address, str(status)).inc()
-            if outlier is not None:
-                outlier.failure(state, str(status))
-        elif outlier is not None:
+            self.director.metrics.upstream_errors.labels(state.address, str(status)).inc()
+            outlier.failure(state, str(status))
+        else:
             outlier.success(state)
 
     def _finish(self) -> None:
         if self.phase is Phase.DONE:
             return
         self.phase = Phase.DONE
-        record = self.record
-        if self._tap is not None and record is not None:
+        ctx = self.ctx
+        if ctx is None:
+            return
+        record = ctx.record
+        if self._tap is not None:
             usage = self._tap.usage()
             if usage is not None:
                 record.prompt_tokens = usage.prompt_tokens
                 record.completion_tokens = usage.completion_tokens
                 record.cached_tokens = usage.cached_tokens
-        if self._held is not None and self.llm is not None:
-            self.gw.scheduler.response_complete(self.llm, self._held, time.monotonic())
-        self._release()
-
-    def _release(self) -> None:
-        if self._held is not None:
-            self.gw.pool.release(self._held, self._tokens)
-            self._held = None
-        if self._admitted:
-            self._admitted = False
-            if self.gw.admission is not None:
-                self.gw.admission.completed()
+        self.director.complete(ctx)
+        if ctx.lease is not None:
+            ctx.lease.release()  # at the response's end, not when Envoy closes the stream
 
     # -- the end -------------------------------------------------------------------------
 
@@ -384,19 +345,9 @@ class ExtProcStream:
         if self._closed:
             return
         self._closed = True
-        self._release()
-        record = self.record
-        if record is None:
+        ctx = self.ctx
+        if ctx is None:
             return
-        elapsed = time.monotonic() - self.started
-        record.latency_ms = elapsed * 1000.0
-        if self.phase is not Phase.DONE and not record.error:
-            record.error = "stream ended before the response did"
-        if record.status == 0:
-            record.status = 499
-        metrics = self.gw.metrics
-        series = self._series
-        if series is not None:
-            metrics.finish(series, record, elapsed, self._request_bytes, self._error_code)
-        metrics.response(record.status).inc()
-        self.gw.access_log.write(record)
+        if self.phase is not Phase.DONE and not ctx.record.error:
+            ctx.record.error = "stream ended before the response did"
+        self.director.finish(ctx)

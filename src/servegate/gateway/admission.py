@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from servegate.gateway.errors import (
+from servegate.control.errors import (
     GatewayError,
     NoEndpoints,
     Saturated,
@@ -39,6 +39,7 @@ from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
 from servegate.scheduling.admitters import Admitter
 from servegate.scheduling.config import parse_picker_config
+from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.flowcontrol import (
     OBJECTIVE_HEADERS,
     FlowController,
@@ -53,7 +54,6 @@ from servegate.scheduling.flowcontrol import (
 )
 from servegate.scheduling.flowcontrol.queues import DEFAULT_FLOW
 from servegate.scheduling.framework import Plugin
-from servegate.scheduling.registry import PluginContext
 from servegate.scheduling.request import LLMRequest
 
 QUEUE_DURATION_HEADER = "x-llm-d-flow-queue-duration-ms"

@@ -1,8 +1,9 @@
-"""The gateway application: routes, the request path, and the component wiring.
+"""The gateway application: routes, the HTTP adapter over the request path, the wiring.
 
-Request path: read body → authorise → parse once → rewrite the model and pick its pool
-(model_routing.py, pools.py) → that pool's admission → candidates → schedule (pure) →
-forward bytes with fallbacks → relay → account, log, count.
+Request path: authorise → read the body → the `Director` (`control/director.py`: parse
+once, rewrite the model and pick its pool, admission, candidates, schedule, lease) →
+forward bytes with fallbacks (`proxy.py`, `disagg.py`) → relay → the Director accounts,
+logs and counts.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,12 +23,15 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from servegate.config import ServegateConfig
+from servegate.config import GatewaySettings, ServegateConfig
+from servegate.control.director import DISAGG_KINDS, Director, Parser
+from servegate.control.snapshot import RoutingSnapshot
 from servegate.datalayer import DataLayer
 from servegate.datalayer.outlier import OutlierDetector
 from servegate.engines.registry import EngineRegistry
+from servegate.gateway.access_log import AccessLog
 from servegate.gateway.admin import add_admin_routes
-from servegate.gateway.admission import QUEUE_DURATION_HEADER, GatewayAdmission, queue_ms
+from servegate.gateway.admission import GatewayAdmission
 from servegate.gateway.cache_routing import CacheRouting
 from servegate.gateway.cluster_policy import apply_cluster_policy
 from servegate.gateway.connections import (
@@ -43,7 +47,6 @@ from servegate.gateway.errors import (
     GatewayError,
     InternalError,
     ModelNotFound,
-    NoEndpoints,
     NotFound,
     RequestTimeout,
     clip,
@@ -52,17 +55,12 @@ from servegate.gateway.errors import (
     render,
 )
 from servegate.gateway.headers import (
-    SUBSET_HEADER,
-    model_rewrite_of,
     subset_of,
-    within_subset,
 )
-from servegate.gateway.latency import Ticket
-from servegate.gateway.logging import AccessLog, AccessRecord
 from servegate.gateway.metrics import GatewayMetrics
-from servegate.gateway.model_routing import Routed, RoutingTable
+from servegate.gateway.model_routing import RoutingTable
 from servegate.gateway.openapi import PASSTHROUGH, serve_openapi
-from servegate.gateway.parse import parse_request, strip_gateway_fields, with_model
+from servegate.gateway.parse import parse_request
 from servegate.gateway.pools import (
     PoolRuntime,
     RuntimeCollector,
@@ -73,18 +71,16 @@ from servegate.gateway.probes import ProbeServer
 from servegate.gateway.proxy import Proxy, forward_headers
 from servegate.gateway.retry import RetryBudget
 from servegate.gateway.tenants import Tenant, TenantTable
+from servegate.gateway.transport import AiohttpTransport, UpstreamTransport
 from servegate.gateway.ui import DecisionLog, add_ui_routes
 from servegate.pool.pool import Pool
 from servegate.scaleout.report import add_scaleout_routes
 from servegate.scaleout.wiring import start_scaleout
-from servegate.scheduling.framework import CycleState, NoCandidates
-from servegate.scheduling.request import LLMRequest, RequestKind
-from servegate.scheduling.scheduler import Scheduler, result_as_dict
+from servegate.scheduling.request import RequestKind
+from servegate.scheduling.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from servegate.gateway.reload import ConfigReloader
-
-Parser = Callable[[bytes, RequestKind, Mapping[str, str], str], LLMRequest]
 
 log = logging.getLogger("servegate.gateway")
 
@@ -92,34 +88,62 @@ PREPARED: contextvars.ContextVar[bool] = contextvars.ContextVar("prepared", defa
 """True once the current request's response headers are on their way (`on_response_prepare`;
 reset per request by `error_middleware`: a connection's requests share one task)."""
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
-SERVED_MODEL_HEADER = "x-servegate-served-model"
-"""On responses whose model was rewritten: the model the replica was asked for."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Gateway:
-    """Everything the request path needs. Pools and model routing are swapped whole on
-    reload; `pool`, `scheduler`, `admission`… are the default (first) pool's."""
+    """The process's gateway: the `Director` (which holds the current `RoutingSnapshot`) and
+    what lives as long as the process. `config`, `runtimes`, `routing` and `tenants` read
+    the current snapshot: a request must read `director.snapshot` once instead, and keep
+    it. `pool`, `scheduler`, `admission`… are the default (first) pool's."""
 
-    config: ServegateConfig
-    runtimes: tuple[PoolRuntime, ...]
-    routing: RoutingTable
+    director: Director
     metrics: GatewayMetrics
     access_log: AccessLog
     rng: random.Random
+    transport: UpstreamTransport
+    """The request path's upstream client, shared by every pool's proxy."""
+    budget: RetryBudget
+    decisions: DecisionLog
+    """The latest scheduling decisions, for the status page (`/ui`)."""
     started_at: float = field(default_factory=time.time)
-    session: aiohttp.ClientSession | None = None
     control: aiohttp.ClientSession | None = None
-    budget: RetryBudget | None = None
+    """Scrapes' and health probes' own connection pool; open while the gateway runs."""
     probes: ProbeServer | None = None
     config_dir: Path | None = None
     reload_listeners: list[Callable[[Gateway], None]] = field(default_factory=list)
     """Called after every successful reload, with the gateway already switched over."""
     reloader: ConfigReloader | None = None
-    tenants: TenantTable = field(default_factory=lambda: TenantTable([]))
-    """Accepted keys and their tenants; rebuilt on reload."""
-    decisions: DecisionLog = field(default_factory=DecisionLog)
-    """The latest scheduling decisions, for the status page (`/ui`)."""
+
+    @property
+    def snapshot(self) -> RoutingSnapshot:
+        return self.director.snapshot
+
+    def swap(self, snapshot: RoutingSnapshot) -> None:
+        """Switch every new request over to `snapshot` (one reference: requests in flight
+        keep the one they started with)."""
+        self.director.snapshot = snapshot
+
+    @property
+    def config(self) -> ServegateConfig:
+        return self.director.snapshot.config
+
+    @property
+    def runtimes(self) -> tuple[PoolRuntime, ...]:
+        return self.director.snapshot.runtimes
+
+    @property
+    def routing(self) -> RoutingTable:
+        return self.director.snapshot.routing
+
+    @property
+    def tenants(self) -> TenantTable:
+        """Accepted keys and their tenants; rebuilt on reload."""
+        return self.director.snapshot.tenants
+
+    @property
+    def session(self) -> aiohttp.ClientSession | None:
+        return self.transport.session
 
     def pool_runtimes(self) -> tuple[PoolRuntime, ...]:
         """Every pool's runtime (`.pool`, `.scheduler`, …); the first is the default."""
@@ -154,11 +178,11 @@ class Gateway:
         return self.runtimes[0].state.engines
 
     @property
-    def proxy(self) -> Proxy | None:
+    def proxy(self) -> Proxy:
         return self.runtimes[0].proxy
 
     @property
-    def disagg(self) -> Disaggregator | None:
+    def disagg(self) -> Disaggregator:
         return self.runtimes[0].disagg
 
     @property
@@ -170,7 +194,7 @@ class Gateway:
         self.runtimes[0].state.datalayer = value
 
     def runtime(self, name: str) -> PoolRuntime | None:
-        return next((r for r in self.runtimes if r.name == name), None)
+        return self.director.snapshot.runtime(name)
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
@@ -179,12 +203,16 @@ GATEWAY = web.AppKey("gateway", Gateway)
 def build_runtimes(
     config: ServegateConfig,
     metrics: GatewayMetrics,
+    transport: UpstreamTransport,
+    budget: RetryBudget,
     config_dir: Path | None = None,
     previous: tuple[PoolRuntime, ...] = (),
 ) -> tuple[tuple[PoolRuntime, ...], RoutingTable]:
     """Every pool's runtime and the model routing table; raises before starting anything."""
     runtimes = tuple(
-        build_runtime(config, entry, metrics, config_dir, previous)
+        build_runtime(
+            config, entry, metrics, config_dir, previous, transport=transport, budget=budget
+        )
         for entry in config.pool_entries()
     )
     routing = RoutingTable.from_config(config.model_rewrites)
@@ -199,25 +227,37 @@ def build_runtimes(
 
 
 def build_gateway(
-    config: ServegateConfig, config_dir: Path | None = None, access_stream: object = None
+    config: ServegateConfig,
+    config_dir: Path | None = None,
+    access_stream: object = None,
+    transport: UpstreamTransport | None = None,
 ) -> Gateway:
-    holder: list[Gateway] = []
-    metrics = GatewayMetrics(lambda: [r.pool for r in holder[0].runtimes] if holder else [])
-    runtimes, routing = build_runtimes(config, metrics, config_dir)
-    metrics.registry.register(RuntimeCollector(lambda: holder[0].runtimes if holder else ()))
+    """The gateway, complete: every pool's runtime is built (nothing is started).
+    `transport`: how requests reach replicas (aiohttp unless a test gives another)."""
+    metrics = GatewayMetrics()
+    transport = transport or AiohttpTransport()
+    budget = RetryBudget(config.retries)
+    runtimes, routing = build_runtimes(config, metrics, transport, budget, config_dir)
+    snapshot = RoutingSnapshot(
+        config, runtimes, routing, TenantTable.from_config(config, config_dir)
+    )
     access = AccessLog(access_stream, enabled=config.gateway.access_log)  # type: ignore[arg-type]
+    rng = random.Random(config.gateway.seed)
+    decisions = DecisionLog()
+    director = Director(snapshot, metrics, access, rng, decisions)
     gw = Gateway(
-        config=config,
-        runtimes=runtimes,
-        routing=routing,
-        budget=RetryBudget(config.retries),
+        director=director,
         metrics=metrics,
         access_log=access,
-        rng=random.Random(config.gateway.seed),
+        rng=rng,
+        transport=transport,
+        budget=budget,
+        decisions=decisions,
         config_dir=config_dir,
-        tenants=TenantTable.from_config(config, config_dir),
     )
-    holder.append(gw)
+    # both read whichever snapshot is current at the scrape
+    metrics.watch(lambda: [r.pool for r in director.snapshot.runtimes])
+    metrics.registry.register(RuntimeCollector(lambda: director.snapshot.runtimes))
     return gw
 
 
@@ -235,8 +275,7 @@ def _authorise(gw: Gateway, request: web.Request) -> Tenant | None:
     return gw.tenants.authenticate(request.headers.get("Authorization", ""))
 
 
-async def _read_body(gw: Gateway, request: web.Request) -> bytes:
-    settings = gw.config.gateway
+async def _read_body(settings: GatewaySettings, request: web.Request) -> bytes:
     limit = settings.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
@@ -254,208 +293,55 @@ async def _read_body(gw: Gateway, request: web.Request) -> bytes:
         ) from exc
 
 
-def route_request(gw: Gateway, llm: LLMRequest) -> PoolRuntime:
-    """Rewrite the model (aliases, weighted splits, llm-d's model-name-rewrite header), then
-    find the pool that serves it. A rule for the requested model wins over the header."""
-    runtimes = gw.runtimes
-    if not llm.model:
-        # a passthrough body without a model (vLLM's default): the default pool, any endpoint
-        return runtimes[0]
-    routing = gw.routing
-    served = routing.fallback is not None and any(
-        r.pool.resolve_model(llm.model) is not None for r in runtimes
-    )
-    routed = routing.route(llm.model, llm.headers, gw.rng, served)
-    if routed.rewritten:
-        gw.metrics.rewritten(routed.rule, llm.model, routed.model)
-    else:
-        named = model_rewrite_of(llm.headers)
-        if named is not None and named != llm.model:
-            routed = Routed(named, None, True)
-    for runtime in runtimes:
-        if routed.pool is not None and runtime.name != routed.pool:
-            continue
-        entry = runtime.pool.resolve_model(routed.model)
-        if entry is not None:
-            llm.target_model = entry.id
-            llm.base_model = entry.base
-            llm.lora = entry.id if entry.parent else None
-            return runtime
-    if routed.rewritten:
-        raise ModelNotFound(
-            f"The model `{clip(llm.model)}` is routed to `{clip(routed.model)}`, "
-            "which no pool serves."
-        )
-    raise ModelNotFound(f"The model `{clip(llm.model)}` does not exist.")
-
-
-DISAGG_KINDS = frozenset({RequestKind.CHAT, RequestKind.COMPLETION})
-"""Kinds the gateway-orchestrated P/D path knows how to split; others go to the decode
-target as they are."""
-
-
 async def _inference(
     request: web.Request, kind: RequestKind, parse: Parser = parse_request
 ) -> web.StreamResponse:
-    gw = request.app[GATEWAY]
+    """The HTTP adapter over the `Director`: read the body, route, forward, answer."""
+    director = request.app[GATEWAY].director
     started = time.monotonic()
-    rid = _request_id(request)
-    record = AccessRecord(request_id=rid, method=request.method, path=request.path)
+    headers = _lower_headers(request)
+    ctx = director.begin(_request_id(request), request.method, request.path, headers, started)
     response: web.StreamResponse | None = None
-    series = None
-    error_code: str | None = None
-    admitted = False
-    request_bytes = 0
-    rt: PoolRuntime | None = None
-    tenant: Tenant | None = None
-    estimated = 0
-    ticket: Ticket | None = None
     try:
-        tenant = _authorise(gw, request)
-        body = await _read_body(gw, request)
-        request_bytes = len(body)
-        headers = _lower_headers(request)
-        llm = parse(body, kind, headers, rid)
-        if strip_gateway_fields(llm.body):
-            body = orjson.dumps(llm.body)
-        record.model = llm.model
-        estimated = llm.prompt_tokens + (llm.max_tokens or 0)
-        if tenant is not None:
-            record.tenant = tenant.name
-            llm.fairness_id = tenant.fairness_id
-            tenant.admit(estimated)
-        rt = route_request(gw, llm)
-        rt.enter()
-        record.target_model = llm.target_model
-        record.pool = rt.name
-        max_priority = tenant.max_priority if tenant is not None else None
-        llm.priority = rt.admission.priority_of(headers)
-        if max_priority is not None and llm.priority > max_priority:
-            llm.priority = max_priority
-        series = gw.metrics.start(llm.model, llm.target_model, llm.fairness_id, llm.priority)
-        # routing token ids before admission: a tokenizer may await (`/tokenize`), and
-        # nothing may await between admission and dispatch, or a burst would pass
-        # flow control before any of it counts as in flight
-        early = rt.pool.candidates(llm.base_model, time.monotonic(), llm.lora)
-        if early:
-            await rt.cache_routing.prepare(llm, early)
-        queued_s = await rt.admission.admit(llm, len(body), max_priority)
-        admitted = True
-        now = time.monotonic()
-        candidates = rt.pool.candidates(llm.base_model or None, now, llm.lora)
-        subset = subset_of(headers)
-        if subset is not None:
-            candidates = within_subset(candidates, subset)
-            if not candidates:
-                raise NoEndpoints(
-                    f"no ready endpoint serves model `{llm.target_model}` within {SUBSET_HEADER}"
-                )
-        if not candidates:
-            raise NoEndpoints(f"no ready endpoint serves model `{llm.target_model}`")
-        if not early:
-            await rt.cache_routing.prepare(llm, candidates)
-        if rt.latency is not None:  # SLO admission (latency-slo-admitter): may wait, or shed
-            pool, base, lora = rt.pool, llm.base_model, llm.lora
-            fresh = await rt.latency.admit(
-                llm, started, candidates, lambda at: pool.candidates(base, at, lora), gw.rng
-            )
-            if fresh is not None:
-                now, candidates = time.monotonic(), fresh
-                if not candidates:
-                    raise NoEndpoints(f"no ready endpoint serves model `{llm.target_model}`")
-        t0 = time.perf_counter()
-        cycle = CycleState(now=now, rng=gw.rng)
-        try:
-            decision = rt.scheduler.schedule(llm, candidates, cycle)
-        except NoCandidates as exc:
-            gw.metrics.scheduled(llm.target_model, None)
-            raise NoEndpoints(
-                f"no endpoint fits the request for model `{llm.target_model}`"
-            ) from exc
-        gw.metrics.decision.observe(time.perf_counter() - t0)
-        gw.metrics.observe_pick(rt.name, decision)
-        gw.metrics.scheduled(llm.target_model, decision.endpoint.address)
-        if rt.latency is not None:  # predicted latency into the record; learned at the end
-            ticket = rt.latency.dispatch(llm, decision, record, cycle, started)
-        rt.scheduler.pre_request(llm, decision, now)
-        gw.decisions.record(rt.name, llm, decision, now)
-        extra = {"X-Request-ID": rid, QUEUE_DURATION_HEADER: queue_ms(queued_s)}
-        rt.cache_routing.headers(llm, decision, extra)
-        if gw.config.gateway.debug_headers:
-            result = decision.results.get(decision.profile)
-            if result is not None:
-                extra["x-servegate-scores"] = orjson.dumps(result_as_dict(result)).decode()
-            if ticket is not None:
-                ticket.debug(extra)
-        assert rt.proxy is not None
+        director.authorise(ctx)
+        body = await _read_body(ctx.snapshot.config.gateway, request)
+        runtime, decision = await director.route(ctx, body, kind, subset_of(headers), parse)
         upstream_headers = forward_headers(
             request.headers,
-            rid,
-            strip_authorization=gw.tenants.enabled,
+            ctx.request_id,
+            strip_authorization=ctx.snapshot.tenants.enabled,
             client=request.remote,
         )
-        if decision.upstream_headers:
-            upstream_headers.update(decision.upstream_headers)
-        if llm.target_model != llm.model:
-            body = with_model(llm, body)
-            extra[SERVED_MODEL_HEADER] = llm.target_model
-        tokens = llm.prompt_tokens + (llm.max_tokens or 0)
-        if rt.disagg is not None and kind in DISAGG_KINDS and rt.disagg.handles(decision):
-            response = await rt.disagg.forward(
-                request, llm, decision, request.path, body, upstream_headers, tokens, record,
-                started, extra,
-            )  # fmt: skip
+        if ctx.upstream_headers:
+            upstream_headers.update(ctx.upstream_headers)
+        if kind in DISAGG_KINDS and runtime.disagg.handles(decision):
+            response = await runtime.disagg.forward(request, ctx, upstream_headers)
         else:
-            response = await rt.proxy.forward(
-                request, decision.targets, request.path, body, upstream_headers, tokens, record,
-                started, extra,
-            )  # fmt: skip
-        rt.scheduler.response_complete(llm, decision.endpoint, time.monotonic())
+            response = await runtime.proxy.forward(request, ctx, upstream_headers)
+        director.complete(ctx)
         return response
     except GatewayError as exc:
-        record.status = exc.status
-        record.error = exc.message
-        error_code = exc.canonical
-        if series is None:
-            gw.metrics.error(exc.canonical, model=record.model or "")
-        response = render(exc, {"X-Request-ID": rid})
+        director.fail(ctx, exc)
+        response = render(exc, {"X-Request-ID": ctx.request_id})
         if isinstance(exc, RequestTimeout):
             await _answer_and_close(request, response)
         return response
     except asyncio.CancelledError:
-        record.status = 499
-        record.error = "client disconnected"
+        ctx.record.status = 499
+        ctx.record.error = "client disconnected"
         raise
     except Exception as exc:
-        record.error = describe(exc)
         if PREPARED.get():
+            ctx.record.error = describe(exc)
             raise  # the answer has begun: only a cut connection can say it failed
-        log.exception("unexpected error on request %s", rid)
+        log.exception("unexpected error on request %s", ctx.request_id)
         error = InternalError(f"the gateway failed: {describe(exc)}")
-        record.status = error.status
-        error_code = error.canonical
-        if series is None:
-            gw.metrics.error(error.canonical, model=record.model or "")
-        response = render(error, {"X-Request-ID": rid})
+        director.fail(ctx, error)
+        ctx.record.error = describe(exc)
+        response = render(error, {"X-Request-ID": ctx.request_id})
         return response
     finally:
-        if tenant is not None and admitted and record.completion_tokens is not None:
-            tenant.settle(estimated, (record.prompt_tokens or 0) + record.completion_tokens)
-        if ticket is not None:
-            ticket.done(record, time.monotonic())
-        if rt is not None:
-            if admitted:
-                rt.admission.completed()
-            rt.leave()
-        elapsed = time.monotonic() - started
-        record.latency_ms = elapsed * 1000.0
-        if response is None and record.status == 0:
-            record.status = 499
-            record.error = record.error or "client disconnected"
-        if series is not None:
-            gw.metrics.finish(series, record, elapsed, request_bytes, error_code)
-        gw.metrics.response(record.status).inc()
-        gw.access_log.write(record)
+        director.finish(ctx)
 
 
 async def _answer_and_close(request: web.Request, response: web.StreamResponse) -> None:
@@ -624,24 +510,20 @@ def build_datalayer(gw: Gateway, session: aiohttp.ClientSession) -> DataLayer:
     return build_pool_datalayer(gw.default.state.settings, gw.pool, session, gw.engines)
 
 
-async def start_runtimes(
-    gw: Gateway, runtimes: tuple[PoolRuntime, ...], config: ServegateConfig | None = None
-) -> None:
-    assert gw.session is not None and gw.control is not None
+async def start_runtimes(gw: Gateway, runtimes: tuple[PoolRuntime, ...]) -> None:
+    """Start the runtimes' background work, on the sessions the gateway opened."""
+    control = gw.control
+    if control is None:
+        raise RuntimeError("the gateway's sessions are not open: start the gateway first")
+    session = gw.transport.session or control
     for runtime in runtimes:
-        await runtime.start(config or gw.config, gw.session, gw.control, gw.metrics, gw.budget)
+        await runtime.start(session, control)
 
 
 async def _components(app: web.Application) -> AsyncIterator[None]:
     gw = app[GATEWAY]
     settings = gw.config.gateway
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
-    # No cookie jar: a replica's Set-Cookie is never replayed on other clients' requests
-    # (nor relayed to the client: proxy.UPSTREAM_DROP).
-    session = aiohttp.ClientSession(
-        connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
-    )
-    gw.session = session
+    gw.transport.open()
     probes = None
     if settings.probe_port is not None:
         probes = gw.probes = ProbeServer(gw.pool, settings.host, settings.probe_port)
@@ -677,7 +559,7 @@ async def _components(app: web.Application) -> AsyncIterator[None]:
         for runtime in gw.runtimes:
             await runtime.stop(keep_state=False)
         await control.close()
-        await session.close()
+        await gw.transport.close()
         gw.access_log.flush()
 
 

@@ -15,17 +15,19 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client import CollectorRegistry
 
-from servegate.config import ServegateConfig, TokenizerSettings
+from servegate.config import ServegateConfig
 from servegate.datalayer.kvevents import KVEventsCollector, KVEventsManager
+from servegate.datalayer.kvevents.settings import kv_events_settings
 from servegate.gateway.routing_signals import IndexJanitor, RoutingSignals, SignalsCollector
 from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
 from servegate.scheduling.affinity import ResponseHeaders
 from servegate.scheduling.framework import Decision
-from servegate.scheduling.prefix.precise import kv_events_settings, precise_indexes
-from servegate.scheduling.prefix.tokenize import RoutingTokenizers
+from servegate.scheduling.prefix.precise import precise_indexes
 from servegate.scheduling.request import LLMRequest
 from servegate.scheduling.scheduler import Scheduler
+from servegate.tokenization.routing import RoutingTokenizers
+from servegate.tokenization.settings import TokenizerSettings
 
 
 @dataclass(slots=True)
@@ -72,10 +74,9 @@ def build_cache_routing(
     janitor = IndexJanitor(pool, scheduler.plugins)
     manager = None
     if indexes:
+        chosen = kv_events_settings(scheduler.plugins, pool_cfg.kv_events)
         manager = KVEventsManager(
-            pool,
-            [*indexes.values(), janitor],
-            kv_events_settings(scheduler.plugins, pool_cfg.kv_events),
+            pool, [*indexes.values(), janitor], chosen.settings, auto=chosen.auto
         )
         registry.register(KVEventsCollector(manager.stats, indexes))
     headers = tuple(p for p in scheduler.plugins.values() if isinstance(p, ResponseHeaders))

@@ -14,6 +14,7 @@ Both are swapped in by one assignment each, so a request sees the old set or the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -61,4 +62,4 @@ def apply_cluster_policy(gw: Gateway) -> None:
     merged, dropped = merge_rewrites(gw.config.model_rewrites, cluster)
     for why in dropped:
         log.warning("InferenceModelRewrite %s; the earlier match stays", why)
-    gw.routing = RoutingTable.from_config(merged)
+    gw.swap(dataclasses.replace(gw.snapshot, routing=RoutingTable.from_config(merged)))

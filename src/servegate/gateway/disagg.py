@@ -33,11 +33,14 @@ import orjson
 from aiohttp import web
 
 from servegate.config import DisaggregationSettings, GatewaySettings
-from servegate.datalayer.scraper import FetchError, read_limited
-from servegate.gateway.errors import describe
-from servegate.gateway.logging import AccessRecord
+from servegate.control.context import RequestContext
+from servegate.control.upstream import sidecar_headers as sidecar_headers
+from servegate.datalayer.scraper import TOO_LARGE, FetchError
+from servegate.gateway.access_log import AccessRecord
+from servegate.gateway.errors import InternalError, describe
 from servegate.gateway.metrics import GatewayMetrics
-from servegate.gateway.proxy import NO_AUTO_HEADERS, Proxy, Route
+from servegate.gateway.proxy import Proxy, Route
+from servegate.gateway.transport import UpstreamResponse, UpstreamTransport
 from servegate.gateway.triton import TRITON_ENGINE
 from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
@@ -119,18 +122,6 @@ def rank_header_route(
     return state.endpoint.url, {**headers, DATA_PARALLEL_RANK_HEADER: str(rank)}
 
 
-def sidecar_headers(decision: Decision) -> dict[str, str]:
-    """The headers llm-d's sidecar protocol adds for `decision` (for any data plane)."""
-    out: dict[str, str] = {}
-    if decision.prefill is not None:
-        out[PREFILLER_HEADER] = decision.prefill.address
-    if decision.encoders:
-        out[ENCODERS_HEADER] = ",".join(s.address for s in decision.encoders)
-    if decision.primary_port is not None:
-        out[DATA_PARALLEL_HEADER] = decision.endpoint.address
-    return out
-
-
 class PrefillFailed(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
@@ -144,7 +135,7 @@ class Disaggregator:
         self,
         mode: Mode,
         proxy: Proxy,
-        session: aiohttp.ClientSession,
+        transport: UpstreamTransport,
         pool: Pool,
         metrics: GatewayMetrics,
         gateway: GatewaySettings,
@@ -152,11 +143,11 @@ class Disaggregator:
     ) -> None:
         self.mode: Mode = mode
         self._proxy = proxy
-        self._session = session
+        self._transport = transport
         self._pool = pool
         self._metrics = metrics
         self._timeout_s = settings.prefill_timeout_s or gateway.first_byte_timeout_s
-        self._client_timeout = aiohttp.ClientTimeout(sock_connect=gateway.connect_timeout_s)
+        self._connect_s = gateway.connect_timeout_s
 
     @staticmethod
     def handles(decision: Decision) -> bool:
@@ -167,21 +158,14 @@ class Disaggregator:
         )
 
     async def forward(
-        self,
-        http_request: web.Request,
-        llm: LLMRequest,
-        decision: Decision,
-        path: str,
-        body: bytes,
-        headers: Mapping[str, str],
-        tokens: int,
-        record: AccessRecord,
-        started: float,
-        extra_response_headers: Mapping[str, str],
+        self, http_request: web.Request, ctx: RequestContext, headers: Mapping[str, str]
     ) -> web.StreamResponse:
-        if decision.pd_decision is not None:
-            record.pd_decision = decision.pd_decision
-            self._metrics.disagg_decisions.labels(llm.target_model, decision.pd_decision).inc()
+        """Carry out `ctx.decision` (the Director counted its P/D decision): the sidecar's
+        headers or the gateway-run prefill leg, then the decode leg through the proxy."""
+        decision, llm, record = ctx.decision, ctx.llm, ctx.record
+        if decision is None or llm is None:
+            raise InternalError("a request was forwarded before it was scheduled")
+        path = http_request.path
         prefill = decision.prefill
         if prefill is not None and TRITON_ENGINE in (
             prefill.endpoint.engine,
@@ -201,7 +185,7 @@ class Disaggregator:
                     record.prefill_error = str(exc)
                     self._metrics.disagg_fallbacks.labels(exc.reason).inc()
                 else:
-                    body = orjson.dumps(decode_request(llm.body, params))
+                    ctx.body = orjson.dumps(decode_request(llm.body, params))
         if decision.encoders and self.mode == "sidecar":
             headers = {**headers, ENCODERS_HEADER: ",".join(s.address for s in decision.encoders)}
         route: Route | None = None
@@ -209,18 +193,7 @@ class Disaggregator:
             route = data_parallel_route(decision.primary_port)
         elif decision.rank_header:
             route = rank_header_route
-        return await self._proxy.forward(
-            http_request,
-            decision.targets,
-            path,
-            body,
-            headers,
-            tokens,
-            record,
-            started,
-            extra_response_headers,
-            route,
-        )
+        return await self._proxy.forward(http_request, ctx, headers, route)
 
     async def _prefill(
         self,
@@ -235,19 +208,15 @@ class Disaggregator:
         self._pool.acquire(state, tokens)
         t0 = time.monotonic()
         try:
-            async with (
-                asyncio.timeout(self._timeout_s),
-                self._session.post(
-                    state.endpoint.url + path,
-                    data=body,
-                    headers=headers,
-                    timeout=self._client_timeout,
-                    allow_redirects=False,
-                    skip_auto_headers=NO_AUTO_HEADERS,
-                ) as response,
-            ):
-                record.prefill_status = response.status
-                data = await read_limited(response, PREFILL_ANSWER_LIMIT)
+            async with asyncio.timeout(self._timeout_s):
+                response = await self._transport.post(
+                    state.endpoint.url + path, body, headers, None, self._connect_s
+                )
+                try:
+                    record.prefill_status = response.status
+                    data = await _read_limited(response, PREFILL_ANSWER_LIMIT)
+                finally:
+                    response.release()
         except TimeoutError as exc:
             self._failed(state, "timeout")
             raise PrefillFailed(
@@ -293,10 +262,25 @@ def build_disaggregator(
     settings: DisaggregationSettings,
     plugins: Mapping[str, Plugin],
     proxy: Proxy,
-    session: aiohttp.ClientSession,
+    transport: UpstreamTransport,
     pool: Pool,
     metrics: GatewayMetrics,
 ) -> Disaggregator:
     return Disaggregator(
-        resolve_mode(settings, plugins), proxy, session, pool, metrics, gateway, settings
+        resolve_mode(settings, plugins), proxy, transport, pool, metrics, gateway, settings
     )
+
+
+async def _read_limited(response: UpstreamResponse, limit: int) -> bytes:
+    """The body, or `FetchError(too_large)` as soon as it exceeds `limit` bytes."""
+    length = response.content_length
+    if length is not None and length > limit:
+        raise FetchError(TOO_LARGE, f"Content-Length {length} > {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise FetchError(TOO_LARGE, f"body over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)

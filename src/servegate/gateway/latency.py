@@ -21,7 +21,7 @@ import asyncio
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import orjson
@@ -29,9 +29,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from servegate.gateway.errors import Dropped
-from servegate.gateway.logging import AccessRecord
+from servegate.control.errors import Dropped
+from servegate.gateway.access_log import AccessRecord
 from servegate.pool.endpoint import EndpointState
+from servegate.pool.pool import Pool
 from servegate.scheduling.framework import CycleState, Decision, Plugin
 from servegate.scheduling.latency.plugins import (
     ARRIVED_KEY,
@@ -157,12 +158,13 @@ class LatencyRouting:
         request: LLMRequest,
         started: float,
         candidates: list[EndpointState],
-        refresh: Callable[[float], list[EndpointState]],
+        pool: Pool,
         rng: random.Random,
     ) -> list[EndpointState] | None:
         """Hold or shed a sheddable request that no candidate can serve within its SLO.
 
-        Raises `SloUnattainable` (429) once `queueTimeoutMs` has passed without an
+        While it waits, the candidates are re-read from `pool`. Raises `SloUnattainable`
+        (429) once `queueTimeoutMs` has passed without an
         endpoint that can; returns None when admitted at once, else the candidates
         current when it was admitted after waiting.
         """
@@ -179,7 +181,7 @@ class LatencyRouting:
             await asyncio.sleep(QUEUE_POLL_S)
             request.cache.pop(PREDICTIONS_KEY, None)
             now = time.monotonic()
-            candidates = refresh(now)
+            candidates = pool.candidates(request.base_model, now, request.lora)
             verdict = admitter.check(CycleState(now=now, rng=rng), request, candidates)
             if verdict.admitted:
                 self.admitted_after_wait += 1

@@ -40,7 +40,7 @@ from prometheus_client.utils import floatToGoString as _go_float
 from servegate import __version__
 
 if TYPE_CHECKING:
-    from servegate.gateway.logging import AccessRecord
+    from servegate.gateway.access_log import AccessRecord
     from servegate.pool.pool import Pool
     from servegate.scheduling.framework import Decision
     from servegate.scheduling.scheduler import Scheduler
@@ -436,7 +436,9 @@ ObjectiveSeries = RequestSeries
 
 
 class GatewayMetrics:
-    def __init__(self, pools: Callable[[], Iterable[Pool]]) -> None:
+    def __init__(self, pools: Callable[[], Iterable[Pool]] | None = None) -> None:
+        """`pools`: the pools whose gauges to export, read at every scrape; or name them
+        later with `watch` (the gateway's are known only once its runtimes are built)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         labels = list(REQUEST_LABELS)
@@ -580,7 +582,8 @@ class GatewayMetrics:
             SCORE_BUCKETS,
             r,
         )
-        r.register(_PoolCollector(pools))
+        if pools is not None:
+            self.watch(pools)
         self._register_legacy()
         self.bound_model = BoundedLabel()
         self.bound_fairness = BoundedLabel()
@@ -605,6 +608,10 @@ class GatewayMetrics:
             if child is None:
                 child = children[(pool, scorer)] = self.picked_score.histogram(pool, scorer)
             child.observe(value)
+
+    def watch(self, pools: Callable[[], Iterable[Pool]]) -> None:
+        """Export the gauges of the pools `pools()` returns at each scrape."""
+        self.registry.register(_PoolCollector(pools))
 
     def _register_legacy(self) -> None:
         """The Inference Extension's names, summed from the llm-d series at scrape."""

@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from servegate.gateway.errors import BadRequest
+from servegate.control.errors import BadRequest
 from servegate.scheduling.request import LLMRequest, RequestKind
 
 CHARS_PER_TOKEN = 4

@@ -1,6 +1,7 @@
 """One pool's runtime: its live state, its scheduler, its flow control, its proxy.
 
-The live part (`PoolState`: the Pool, its data layer, discovery, passive health)
+The live part (`PoolState`: the Pool, its data layer, discovery, passive health, and
+what routing learned: the latency predictor, prefix indexes, session bindings)
 outlives a reload that leaves the pool's own settings alone; the routing part
 (`PoolRuntime`: scheduler, admission, cache routing, proxy) is rebuilt when its
 picker or flow control change. A request keeps the runtime it started with.
@@ -22,14 +23,13 @@ from prometheus_client.registry import Collector
 
 from servegate.config import (
     ConfigError,
-    OutlierDetectionSettings,
     PoolEntry,
     PoolSettings,
     ServegateConfig,
     read_picker,
 )
-from servegate.datalayer import DataLayer, HealthSettings, ScrapeSettings
-from servegate.datalayer.outlier import OutlierDetector
+from servegate.datalayer import DataLayer, ScrapeSettings
+from servegate.datalayer.outlier import OutlierDetectionSettings, OutlierDetector
 from servegate.engines.registry import EngineRegistry
 from servegate.gateway.admission import GatewayAdmission, build_admission
 from servegate.gateway.cache_routing import CacheRouting, build_cache_routing
@@ -39,15 +39,17 @@ from servegate.gateway.latency import LatencyRouting
 from servegate.gateway.metrics import GatewayMetrics, PluginDurationCollector, with_aliases
 from servegate.gateway.proxy import Proxy
 from servegate.gateway.retry import RetryBudget
+from servegate.gateway.transport import AiohttpTransport, UpstreamTransport
 from servegate.gateway.triton import TritonTranslator
 from servegate.pool.discovery import Discovery, start_discovery
 from servegate.pool.pool import Pool
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
+from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.latency.predictor import SERVICE_KEY as LATENCY_SERVICE
 from servegate.scheduling.latency.predictor import LatencyPredictor
-from servegate.scheduling.prefix.tokenize import TokenizerError
-from servegate.scheduling.registry import PluginContext
+from servegate.scheduling.routing_state import ROUTING_STATE_SERVICE, RoutingState
 from servegate.scheduling.scheduler import Scheduler
+from servegate.tokenization.sources import TokenizerError
 
 log = logging.getLogger("servegate.gateway")
 
@@ -68,6 +70,9 @@ class PoolState:
     started: bool = False
     latency: LatencyPredictor = field(default_factory=LatencyPredictor)
     """The pool's latency predictor: learned state that survives picker reloads."""
+    routing: RoutingState = field(default_factory=RoutingState)
+    """The pool's prefix indexes and session bindings: learned state that survives picker
+    reloads; the KV-event manager and scale-out feed it, plugins receive it as a service."""
 
     def same_as(self, settings: PoolSettings, outlier: OutlierDetectionSettings) -> bool:
         return self.settings == settings and self.outlier_settings == outlier
@@ -100,13 +105,7 @@ def build_pool_datalayer(
         scrape=ScrapeSettings(
             interval=settings.scrape_interval_s, timeout=settings.scrape_timeout_s
         ),
-        health=HealthSettings(
-            interval=settings.health.interval_s,
-            timeout=settings.health.timeout_s,
-            failure_threshold=settings.health.failure_threshold,
-            success_threshold=settings.health.success_threshold,
-            models_every=settings.health.models_refresh_every,
-        ),
+        health=settings.health,
     )
 
 
@@ -144,11 +143,11 @@ class PoolRuntime:
     picker_doc: Mapping[str, Any] | str | None
     registry: CollectorRegistry
     key: tuple[Any, ...]
-    triton: TritonTranslator | None = None
-    proxy: Proxy | None = None
-    disagg: Disaggregator | None = None
-    latency: LatencyRouting | None = None
+    proxy: Proxy
+    disagg: Disaggregator
+    latency: LatencyRouting
     in_flight: int = 0
+    """Requests holding a `Lease` on this runtime (a retired runtime stops at 0)."""
     started: bool = False
     _idle: asyncio.Event | None = field(default=None, repr=False)
 
@@ -168,26 +167,14 @@ class PoolRuntime:
         if self.in_flight <= 0 and self._idle is not None:
             self._idle.set()
 
-    async def start(
-        self,
-        config: ServegateConfig,
-        session: aiohttp.ClientSession,
-        control: aiohttp.ClientSession,
-        metrics: GatewayMetrics,
-        budget: RetryBudget | None,
-    ) -> None:
+    async def start(self, session: aiohttp.ClientSession, control: aiohttp.ClientSession) -> None:
+        """Start what runs in the background: the pool's data layer and discovery (once per
+        pool state), the routing tokenizers."""
         if self.started:
             return
         self.started = True
         await self.state.start(control)
         await self.cache_routing.start(session)
-        self.proxy = Proxy(
-            session, config.gateway, self.pool, metrics, self.state.outlier, budget, self.triton
-        )
-        self.disagg = build_disaggregator(
-            config.gateway, config.disaggregation, self.scheduler.plugins, self.proxy, session,
-            self.pool, metrics,
-        )  # fmt: skip
 
     async def drained(self, timeout_s: float) -> bool:
         """Wait until no request uses this runtime (or the timeout); True when idle."""
@@ -214,9 +201,13 @@ def build_runtime(
     metrics: GatewayMetrics,
     config_dir: Path | None = None,
     previous: Iterable[PoolRuntime] = (),
+    *,
+    transport: UpstreamTransport | None = None,
+    budget: RetryBudget | None = None,
 ) -> PoolRuntime:
-    """A runtime for `entry`, reusing a previous one (or its live state) when nothing it
-    depends on changed. Raises on bad settings before anything is started."""
+    """A runtime for `entry`, complete (its proxy over `transport`, aiohttp by default),
+    reusing a previous one (or its live state) when nothing it depends on changed.
+    Raises on bad settings before anything is started."""
     settings = entry.base()
     picker_doc = read_picker(entry.picker, config_dir)
     state: PoolState | None = None
@@ -233,7 +224,7 @@ def build_runtime(
         picker_doc if picker_doc is not None else DEFAULT_PICKER_CONFIG,
         PluginContext(
             staleness_s=settings.metrics_staleness_s,
-            services={LATENCY_SERVICE: state.latency},
+            services={LATENCY_SERVICE: state.latency, ROUTING_STATE_SERVICE: state.routing},
         ),
     )
     try:
@@ -247,16 +238,23 @@ def build_runtime(
     cache = build_cache_routing(
         config.model_copy(update={"pool": settings}), state.pool, scheduler, registry
     )
+    transport = transport or AiohttpTransport()
+    proxy = Proxy(transport, config.gateway, metrics, state.outlier, budget, triton, state.engines)
+    disagg = build_disaggregator(
+        config.gateway, config.disaggregation, scheduler.plugins, proxy, transport, state.pool,
+        metrics,
+    )  # fmt: skip
     return PoolRuntime(
         entry=entry,
         state=state,
         scheduler=scheduler,
         admission=admission,
         cache_routing=cache,
-        triton=triton,
         picker_doc=picker_doc,
         registry=registry,
         key=_runtime_key(config, entry, picker_doc),
+        proxy=proxy,
+        disagg=disagg,
         latency=LatencyRouting(state.latency, scheduler.plugins, registry),
     )
 

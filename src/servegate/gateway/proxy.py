@@ -11,9 +11,9 @@ counted (`servegate_upstream_errors{kind="midstream"}`). Every attempt's result
 feeds passive health (`datalayer/outlier.py`).
 Foreign exceptions are translated to `errors.py` types here and nowhere else.
 
-Triton endpoints (`triton-tensorrt-llm`) speak no OpenAI: for them each attempt
-translates the request and the answer (`triton.py`, `triton_stream.py`); every
-other engine gets the original bytes, at the cost of one string comparison.
+An engine whose `EngineSpec` names a request adapter speaks no OpenAI: for it each
+attempt translates the request and the answer (Triton's `triton-generate`: `triton.py`,
+`triton_stream.py`); every other engine gets the original bytes.
 """
 
 from __future__ import annotations
@@ -30,9 +30,13 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from servegate.config import GatewaySettings
+from servegate.control.context import RequestContext
 from servegate.datalayer.outlier import OutlierDetector
+from servegate.engines.registry import EngineRegistry, UnknownEngineError
+from servegate.gateway.access_log import AccessRecord
 from servegate.gateway.errors import (
     GatewayError,
+    InternalError,
     NotFound,
     UpstreamFailed,
     UpstreamTimeout,
@@ -44,11 +48,11 @@ from servegate.gateway.errors import (
     sse_error_event,
 )
 from servegate.gateway.headers import DESTINATION_HEADER, SERVED_HEADER
-from servegate.gateway.logging import AccessRecord
 from servegate.gateway.metrics import GatewayMetrics
 from servegate.gateway.retry import RetryBudget
+from servegate.gateway.transport import UpstreamResponse, UpstreamTransport
 from servegate.gateway.triton import (
-    TRITON_ENGINE,
+    TRITON_ADAPTER,
     TritonRequest,
     TritonTranslator,
     accumulates,
@@ -58,7 +62,6 @@ from servegate.gateway.triton import (
 )
 from servegate.gateway.triton_stream import TritonStream
 from servegate.pool.endpoint import EndpointState
-from servegate.pool.pool import Pool
 
 HOP_BY_HOP = frozenset(
     {
@@ -92,8 +95,6 @@ Route = Callable[[EndpointState, Mapping[str, str]], tuple[str, Mapping[str, str
 """Per attempt: the base URL and headers for one target (data-parallel ranks behind a sidecar)."""
 REQUEST_DROP = frozenset({"content-encoding"})
 """The gateway reads (and so decompresses) every request body; it forwards the plain bytes."""
-NO_AUTO_HEADERS = ("Accept-Encoding", "User-Agent")
-"""aiohttp adds these when absent; the replica sees only what the client sent."""
 RESPONSE_DROP = HOP_BY_HOP | {"date", "server"}
 FORWARDING_HEADERS = frozenset({"x-forwarded-for", "forwarded"})
 """Rebuilt by the gateway with the client's address appended."""
@@ -237,26 +238,27 @@ def response_headers(upstream: CIMultiDictProxy[str]) -> CIMultiDict[str]:
 
 
 class Proxy:
+    """Relays one routed request (a `RequestContext`) to its targets through a transport."""
+
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        transport: UpstreamTransport,
         settings: GatewaySettings,
-        pool: Pool,
         metrics: GatewayMetrics,
         outlier: OutlierDetector | None = None,
         budget: RetryBudget | None = None,
         triton: TritonTranslator | None = None,
+        engines: EngineRegistry | None = None,
     ) -> None:
-        self._session = session
+        self._transport = transport
         self._triton = triton
+        self._engines = engines or EngineRegistry()
+        self._adapted: dict[str, bool] = {}
+        """Per engine name: whether its spec names the Triton adapter (looked up once)."""
         self._settings = settings
-        self._pool = pool
         self._metrics = metrics
         self.outlier = outlier
         self.budget = budget
-        self._timeout = aiohttp.ClientTimeout(
-            total=settings.total_timeout_s, sock_connect=settings.connect_timeout_s
-        )
 
     @property
     def triton(self) -> TritonTranslator:
@@ -269,6 +271,19 @@ class Proxy:
     def triton(self, translator: TritonTranslator) -> None:
         self._triton = translator
 
+    def _adapts(self, engine: str) -> bool:
+        """Whether requests to `engine` go through the Triton adapter (its spec says so)."""
+        adapted = self._adapted.get(engine)
+        if adapted is None:
+            try:
+                adapter = self._engines.get(engine).request_adapter
+            except UnknownEngineError:
+                adapter = None  # an endpoint's own engine label: OpenAI, as before
+            if adapter not in (None, TRITON_ADAPTER):
+                raise InternalError(f"engine {engine!r} names an unknown adapter {adapter!r}")
+            adapted = self._adapted[engine] = adapter == TRITON_ADAPTER
+        return adapted
+
     async def _open(
         self,
         state: EndpointState,
@@ -276,17 +291,13 @@ class Proxy:
         headers: Mapping[str, str],
         body: bytes,
         base_url: str | None = None,
-    ) -> aiohttp.ClientResponse:
+    ) -> UpstreamResponse:
         url = (base_url or state.endpoint.url) + path
+        settings = self._settings
         try:
-            async with asyncio.timeout(self._settings.first_byte_timeout_s):
-                return await self._session.post(
-                    url,
-                    data=body,
-                    headers=headers,
-                    timeout=self._timeout,
-                    allow_redirects=False,
-                    skip_auto_headers=NO_AUTO_HEADERS,
+            async with asyncio.timeout(settings.first_byte_timeout_s):
+                return await self._transport.post(
+                    url, body, headers, settings.total_timeout_s, settings.connect_timeout_s
                 )
         except TimeoutError as exc:
             self._failed(state, "timeout")
@@ -315,18 +326,23 @@ class Proxy:
     async def forward(
         self,
         http_request: web.Request,
-        targets: list[EndpointState],
-        path: str,
-        body: bytes,
+        ctx: RequestContext,
         headers: Mapping[str, str],
-        tokens: int,
-        record: AccessRecord,
-        started: float,
-        extra_response_headers: Mapping[str, str],
         route: Route | None = None,
     ) -> web.StreamResponse:
+        """Send `ctx.body` with `headers` to the decision's targets in turn (its lease follows
+        the attempt), and relay the first answer that can be relayed."""
+        decision = ctx.decision
+        lease = ctx.lease
+        if decision is None or lease is None:
+            raise InternalError("a request was forwarded before it was scheduled")
+        path = http_request.path
+        body = ctx.body
+        record = ctx.record
+        started = ctx.started
+        extra_response_headers = ctx.response_headers
         last_error: GatewayError = UpstreamFailed("no endpoint could be tried")
-        attempts = targets[: self._settings.max_retries + 1]
+        attempts = decision.targets[: self._settings.max_retries + 1]
         translated: TritonRequest | None = None
         if self.budget is not None:
             self.budget.request()
@@ -335,86 +351,83 @@ class Proxy:
                 break
             is_last = attempt == len(attempts) - 1
             triton: TritonRequest | None = None
-            if state.endpoint.engine == TRITON_ENGINE:
+            if self._adapts(state.endpoint.engine):
                 if translated is None:
                     translated = self.triton.prepare(path, body, headers.get("X-Request-ID", ""))
                 triton = translated
             record.retries = attempt
             record.endpoint = state.address
-            self._pool.acquire(state, tokens)
+            lease.move(state)
             try:
-                try:
-                    if triton is not None:
-                        triton_path, triton_body = triton.call(state.endpoint)
-                        upstream = await self._open(
-                            state, triton_path, _identity_encoding(headers), triton_body
-                        )
-                    elif route is None:
-                        upstream = await self._open(state, path, headers, body)
-                    else:
-                        base_url, routed = route(state, headers)
-                        upstream = await self._open(state, path, routed, body, base_url)
-                except GatewayError as exc:
-                    last_error = exc
-                    if not is_last:
-                        kind = "timeout" if isinstance(exc, UpstreamTimeout) else "connect"
-                        self._metrics.retries.labels(kind).inc()
+                if triton is not None:
+                    triton_path, triton_body = triton.call(state.endpoint)
+                    upstream = await self._open(
+                        state, triton_path, _identity_encoding(headers), triton_body
+                    )
+                elif route is None:
+                    upstream = await self._open(state, path, headers, body)
+                else:
+                    base_url, routed = route(state, headers)
+                    upstream = await self._open(state, path, routed, body, base_url)
+            except GatewayError as exc:
+                last_error = exc
+                if not is_last:
+                    kind = "timeout" if isinstance(exc, UpstreamTimeout) else "connect"
+                    self._metrics.retries.labels(kind).inc()
+                continue
+            complete = False
+            try:
+                if refused_status(upstream.status):
+                    # Never followed (the prompt would be re-POSTed wherever the replica
+                    # points) nor relayed (its Location names addresses behind the gateway).
+                    self._failed(state, "redirect")
+                    last_error = UpstreamFailed(
+                        f"endpoint {state.address} answered {upstream.status}; the gateway "
+                        "follows no redirects or protocol switches"
+                    )
                     continue
-                complete = False
-                try:
-                    if refused_status(upstream.status):
-                        # Never followed (the prompt would be re-POSTed wherever the replica
-                        # points) nor relayed (its Location names addresses behind the gateway).
-                        self._failed(state, "redirect")
-                        last_error = UpstreamFailed(
-                            f"endpoint {state.address} answered {upstream.status}; the gateway "
-                            "follows no redirects or protocol switches"
-                        )
+                if upstream.status >= 500:
+                    self._failed(state, str(upstream.status))
+                elif self.outlier is not None:
+                    self.outlier.success(state)
+                if upstream.status in RETRY_STATUSES and not is_last:
+                    self._metrics.retries.labels(str(upstream.status)).inc()
+                    last_error = UpstreamFailed(
+                        f"endpoint {state.address} answered {upstream.status}"
+                    )
+                    continue
+                first = b""
+                if triton is None and _opens_a_stream(upstream):
+                    try:
+                        first = await self._first_content(upstream, state)
+                    except GatewayError as exc:
+                        last_error = exc
+                        if not is_last:
+                            self._metrics.retries.labels("before_content").inc()
                         continue
-                    if upstream.status >= 500:
-                        self._failed(state, str(upstream.status))
-                    elif self.outlier is not None:
-                        self.outlier.success(state)
-                    if upstream.status in RETRY_STATUSES and not is_last:
-                        self._metrics.retries.labels(str(upstream.status)).inc()
-                        last_error = UpstreamFailed(
-                            f"endpoint {state.address} answered {upstream.status}"
-                        )
-                        continue
-                    first = b""
-                    if triton is None and _opens_a_stream(upstream):
-                        try:
-                            first = await self._first_content(upstream, state)
-                        except GatewayError as exc:
-                            last_error = exc
-                            if not is_last:
-                                self._metrics.retries.labels("before_content").inc()
-                            continue
-                    if triton is not None:
-                        response = await self._relay_triton(
-                            http_request, upstream, state, record, started,
-                            extra_response_headers, triton,
-                        )  # fmt: skip
-                    else:
-                        response = await self._relay(
-                            http_request, upstream, state, record, started,
-                            extra_response_headers, first,
-                        )  # fmt: skip
-                    complete = True
-                    return response
-                finally:
-                    if complete:
-                        upstream.release()
-                    else:
-                        upstream.close()
+                if triton is not None:
+                    response = await self._relay_triton(
+                        http_request, upstream, state, record, started,
+                        extra_response_headers, triton,
+                    )  # fmt: skip
+                else:
+                    response = await self._relay(
+                        http_request, upstream, state, record, started,
+                        extra_response_headers, first,
+                    )  # fmt: skip
+                complete = True
+                return response
             finally:
-                self._pool.release(state, tokens)
+                if complete:
+                    upstream.release()
+                else:
+                    upstream.close()
         raise last_error
 
     async def _relay(
         self,
         http_request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         state: EndpointState,
         record: AccessRecord,
         started: float,
@@ -450,7 +463,7 @@ class Proxy:
     async def _relay_stream(
         self,
         http_request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         state: EndpointState,
         record: AccessRecord,
         started: float,
@@ -471,7 +484,7 @@ class Proxy:
 
     async def _pump(
         self,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         state: EndpointState,
         record: AccessRecord,
         started: float,
@@ -518,7 +531,7 @@ class Proxy:
             _client_left(record)
             return None
 
-    async def _first_content(self, upstream: aiohttp.ClientResponse, state: EndpointState) -> bytes:
+    async def _first_content(self, upstream: UpstreamResponse, state: EndpointState) -> bytes:
         """A stream's body up to its first `data:` line, before anything reaches the client:
         vLLM sends a stream's headers at once, so a replica that dies while prefilling fails
         here, where the request can still move to a fallback without the client seeing a
@@ -548,7 +561,7 @@ class Proxy:
         return bytes(buffer)
 
     async def _read_some(
-        self, upstream: aiohttp.ClientResponse, state: EndpointState, limit: int
+        self, upstream: UpstreamResponse, state: EndpointState, limit: int
     ) -> tuple[bytes, bool]:
         """The body up to just over `limit` bytes, and whether that was all of it."""
         chunks: list[bytes] = []
@@ -573,7 +586,7 @@ class Proxy:
     async def _relay_large(
         self,
         http_request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         state: EndpointState,
         record: AccessRecord,
         headers: CIMultiDict[str],
@@ -603,7 +616,7 @@ class Proxy:
         await _end(response, record, b"")
         return response
 
-    async def _read(self, upstream: aiohttp.ClientResponse, state: EndpointState) -> bytes:
+    async def _read(self, upstream: UpstreamResponse, state: EndpointState) -> bytes:
         limit = self._settings.max_buffered_bytes
         data, complete = await self._read_some(upstream, state, limit)
         if not complete:
@@ -617,7 +630,7 @@ class Proxy:
     async def _relay_triton(
         self,
         http_request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         state: EndpointState,
         record: AccessRecord,
         started: float,
@@ -659,7 +672,7 @@ class Proxy:
     async def _relay_triton_stream(
         self,
         http_request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         state: EndpointState,
         record: AccessRecord,
         started: float,
@@ -747,11 +760,11 @@ def _client_left(record: AccessRecord) -> None:
     record.error = "client disconnected"
 
 
-def _opens_a_stream(upstream: aiohttp.ClientResponse) -> bool:
+def _opens_a_stream(upstream: UpstreamResponse) -> bool:
     return upstream.status < 300 and upstream.content_type == "text/event-stream"
 
 
-def _openai_like_error(upstream: aiohttp.ClientResponse, data: bytes) -> bool:
+def _openai_like_error(upstream: UpstreamResponse, data: bytes) -> bool:
     """A JSON object (vLLM's `{"error": …}` or its flat `{"object": "error", …}`), or a
     compressed body the gateway cannot look into: relayed as it is."""
     encoding = upstream.headers.get("Content-Encoding", "identity").lower()
@@ -764,7 +777,7 @@ def _openai_like_error(upstream: aiohttp.ClientResponse, data: bytes) -> bool:
 
 
 def _wrapped_error(
-    upstream: aiohttp.ClientResponse,
+    upstream: UpstreamResponse,
     state: EndpointState,
     record: AccessRecord,
     headers: CIMultiDict[str],

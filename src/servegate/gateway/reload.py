@@ -6,6 +6,8 @@ gateway untouched. Then one assignment switches the gateway over. A request in
 flight keeps the runtime it started with; runtimes no longer used stop once
 their last request ends (or after `gateway.drain_timeout_s`). Pools whose own
 settings did not change keep their state: metrics, health, in-flight counts.
+The switch is one reference: the `Director`'s `RoutingSnapshot` (config, runtimes,
+routing table, tenants); a request reads it once when it begins.
 
 The listening address, probe port, log level and extproc settings are read at
 start only; a reload that changes them says so in the log.
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from servegate.config import ConfigError, ServegateConfig, load_config
+from servegate.control.snapshot import RoutingSnapshot
 from servegate.gateway.pools import PoolRuntime
 from servegate.gateway.tenants import TenantTable
 
@@ -99,21 +102,20 @@ class ConfigReloader:
             old = gw.runtimes
             try:
                 tenants = TenantTable.from_config(config, gw.config_dir, previous=gw.tenants)
-                runtimes, routing = build_runtimes(config, gw.metrics, gw.config_dir, old)
+                runtimes, routing = build_runtimes(
+                    config, gw.metrics, gw.transport, gw.budget, gw.config_dir, old
+                )
             except Exception as exc:  # any build error keeps the old config
                 return self._failed(f"{type(exc).__name__}: {exc}")
             fresh = tuple(r for r in runtimes if r not in old)
             try:
-                await start_runtimes(gw, fresh, config)
+                await start_runtimes(gw, fresh)
             except Exception as exc:  # e.g. discovery that cannot connect
                 await self._stop(fresh, old)
                 return self._failed(f"starting the new pools failed: {type(exc).__name__}: {exc}")
             await _warm_up(fresh, old, config.reload.warmup_s)
             previous_config = gw.config
-            gw.config = config
-            gw.tenants = tenants
-            gw.runtimes = runtimes
-            gw.routing = routing
+            gw.swap(RoutingSnapshot(config, runtimes, routing, tenants))
             self._restart_only_changes(previous_config, config)
             retired = tuple(r for r in old if r not in runtimes)
             self._pending.update(retired)

@@ -25,17 +25,17 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from servegate.datalayer.kvevents.events import AllBlocksCleared, EventBatch
 from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
 from servegate.scheduling.framework import Plugin
 from servegate.scheduling.prefix.approx import PrefixCacheScorer
+from servegate.scheduling.prefix.events import AllBlocksCleared, EventBatch
 from servegate.scheduling.prefix.precise import PrecisePrefixCacheScorer
 from servegate.scheduling.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from servegate.datalayer.kvevents import KVEventsManager
-    from servegate.scheduling.prefix.tokenize import RoutingTokenizers
+    from servegate.tokenization.routing import RoutingTokenizers
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from servegate.config import ConfigError, ServegateConfig, TenantSettings
-from servegate.gateway.errors import GatewayError, Unauthorized
+from servegate.control.errors import GatewayError, Unauthorized
 
 MINUTE_S = 60.0
 

@@ -34,7 +34,7 @@ from urllib.parse import quote
 
 import orjson
 
-from servegate.config import PoolSettings, TokenizerSettings
+from servegate.config import PoolSettings
 from servegate.gateway.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from servegate.gateway.errors import (
     BadRequest,
@@ -45,9 +45,12 @@ from servegate.gateway.errors import (
 )
 from servegate.gateway.parse import decode_body
 from servegate.pool.endpoint import Endpoint
-from servegate.scheduling.prefix.tokenize import LocalTokenizer, TokenizerError, local_tokenizer
+from servegate.tokenization.settings import TokenizerSettings
+from servegate.tokenization.sources import LocalTokenizer, TokenizerError, local_tokenizer
 
 TRITON_ENGINE = "triton-tensorrt-llm"
+TRITON_ADAPTER = "triton-generate"
+"""The `EngineSpec.request_adapter` this module implements."""
 MODEL_LABEL = "servegate.io/triton-model"
 """The model's name in the Triton repository (`ensemble`, `tensorrt_llm_bls`); default: the
 OpenAI model name."""

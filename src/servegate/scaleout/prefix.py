@@ -1,8 +1,9 @@
 """Approximate-prefix insertions shared between processes.
 
 After each routing decision the `prefix-cache-scorer` inserts the prompt's block
-keys into its index and calls its `on_insert` hook; here the insertion is
-buffered (coalesced over `coalesce_s`) and published. A receiver inserts the
+keys into its index, which the pool's `RoutingState` owns, and the state tells its
+subscribers; this module subscribes to each pool's state (no plugin is patched), buffers
+the insertion (coalesced over `coalesce_s`) and publishes it. A receiver inserts the
 same keys into the scorer of the same pool and plugin name, without publishing
 them again. Insertions made before a process joined are not replayed: a new
 worker or replica warms up from live traffic.
@@ -31,7 +32,8 @@ from servegate.scaleout.bus import Bus
 from servegate.scaleout.coalesce import Coalescer
 from servegate.scaleout.codec import PREFIX, Message, PrefixInsert
 from servegate.scaleout.settings import ScaleOutSettings
-from servegate.scheduling.prefix.approx import InsertHook, PrefixCacheScorer
+from servegate.scheduling.prefix.approx import PrefixCacheScorer
+from servegate.scheduling.routing_state import InsertListener, RoutingState
 from servegate.scheduling.scheduler import Scheduler
 
 MAX_BATCH = 64
@@ -60,13 +62,17 @@ class PrefixSharing:
             load_prefix_key(settings.prefix_key_file) if settings.prefix_key_file else None
         )
         self._pending: dict[str, list[PrefixInsert]] = {}
+        self._subscribed: dict[int, tuple[RoutingState, InsertListener]] = {}
+        """id(state) → (the pool's routing state, the listener subscribed to it)."""
         self._coalesce = Coalescer(settings.coalesce_s, self.flush)
         bus.on(PREFIX, self.on_insertions)
 
     def attach(self, runtimes: Iterable[tuple[str, Pool, Scheduler]]) -> None:
-        """Hook every approximate prefix scorer of each pool's scheduler (again after a reload)."""
+        """Follow every approximate prefix scorer of each pool's scheduler (again after a
+        reload): subscribe to the routing state that owns its index, and key its seed."""
         scorers: dict[tuple[str, str], PrefixCacheScorer] = {}
         pools: dict[str, Pool] = {}
+        states: dict[int, tuple[str, RoutingState]] = {}
         for pool_name, pool, scheduler in runtimes:
             pools[pool_name] = pool
             for name, plugin in scheduler.plugins.items():
@@ -75,19 +81,30 @@ class PrefixSharing:
                     plugin = inner
                 elif not isinstance(plugin, PrefixCacheScorer) or plugin.producer is not None:
                     continue
-                plugin.on_insert = self._hook(pool_name, name)
-                plugin.seed_key = self.seed_key
+                states[id(plugin.routing)] = (pool_name, plugin.routing)
                 scorers[(pool_name, name)] = plugin
         self.scorers = scorers
         self.pools = pools
+        for key in [k for k in self._subscribed if k not in states]:
+            state, listener = self._subscribed.pop(key)
+            state.unsubscribe(listener)
+        for key, (pool_name, state) in states.items():
+            state.seed_key = self.seed_key
+            if key not in self._subscribed:
+                listener = self._listener(pool_name)
+                state.subscribe(listener)
+                self._subscribed[key] = (state, listener)
 
     def stop(self) -> None:
         self._coalesce.cancel()
-        for scorer in self.scorers.values():
-            scorer.on_insert = None
+        for state, listener in self._subscribed.values():
+            state.unsubscribe(listener)
+        self._subscribed.clear()
 
-    def _hook(self, pool_name: str, plugin: str) -> InsertHook:
-        def inserted(address: str, keys: Sequence[int], capacity: int | None) -> None:
+    def _listener(self, pool_name: str) -> InsertListener:
+        def inserted(plugin: str, address: str, keys: Sequence[int], capacity: int | None) -> None:
+            if (pool_name, plugin) not in self.scorers:
+                return  # an index no peer shares (a filter's own): nothing to publish
             batch = self._pending.setdefault(pool_name, [])
             batch.append(PrefixInsert(plugin, address, capacity, tuple(keys)))
             if len(batch) >= MAX_BATCH:

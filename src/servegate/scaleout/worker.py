@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from servegate.config import ServegateConfig
-from servegate.gateway.logging import configure_logging
+from servegate.gateway.access_log import configure_logging
 from servegate.gateway.reload import ConfigSource
 from servegate.gateway.server import event_loop_factory, serve_until_stopped
 from servegate.scaleout.settings import WorkerIdentity

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Protocol, Self, runtime_checkable
 from pydantic import Field
 
 from servegate.pool.endpoint import EndpointState
-from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
+from servegate.scheduling.factory import Parameters, PluginContext, decode_parameters
 
 ADMITTER_KIND = "admitter"
 

@@ -31,15 +31,24 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, Self, runtim
 from pydantic import Field, model_validator
 
 from servegate.pool.endpoint import EndpointState
+from servegate.scheduling.factory import Parameters, PluginContext, decode_parameters
 from servegate.scheduling.framework import CycleState, Decision, Plugin, Scorer
-from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
+from servegate.scheduling.prefix.lookup import (
+    PREFIX_SCORER_TYPES,
+    find_prefix_scorer,
+    prefix_scores,
+    producer_source,
+)
 from servegate.scheduling.request import LLMRequest
+from servegate.scheduling.routing_state import (
+    SESSION_BINDINGS,
+    RoutingState,
+    routing_state,
+)
 
 if TYPE_CHECKING:
     from servegate.scheduling.prefix.approx import PrefixCacheScorer
 
-PREFIX_SCORER_TYPES = ("prefix-cache-scorer", "precise-prefix-cache-scorer")
-PREFIX_PRODUCER_TYPES = ("approx-prefix-cache-producer", "precise-prefix-cache-producer")
 SESSION_TOKEN_HEADER = "x-session-token"
 SESSION_ID_HEADER = "x-session-id"
 
@@ -49,74 +58,6 @@ class ResponseHeaders(Protocol):
     """A plugin that adds headers to the response (the gateway asks after the decision)."""
 
     def response_headers(self, request: LLMRequest, decision: Decision) -> Mapping[str, str]: ...
-
-
-def _producer_source(plugin: Plugin) -> Scorer | None:
-    """The match-computing scorer inside a prefix producer (llm-d's producer/consumer split)."""
-    inner = getattr(plugin, "source", None)
-    if getattr(plugin, "kind", None) == "producer" and isinstance(inner, Scorer):
-        return inner
-    return None
-
-
-def find_prefix_scorer(
-    owner: str, plugins: Mapping[str, Plugin], name: str | None, parameter: str
-) -> Scorer:
-    """The prefix match a plugin reads: the scorer or producer named, or the only one declared.
-
-    A prefix producer (`approx-prefix-cache-producer`, `precise-prefix-cache-producer`)
-    counts as its match; with none named, declared prefix scorers come first, then
-    producers.
-    """
-    if name is not None:
-        plugin = plugins.get(name)
-        if plugin is None:
-            raise ValueError(f"{parameter} {name!r} names no declared plugin")
-        inner = _producer_source(plugin)
-        if inner is not None:
-            return inner
-        if plugin.type not in PREFIX_SCORER_TYPES or not isinstance(plugin, Scorer):
-            raise ValueError(
-                f"{parameter} {name!r} is a {plugin.type!r}; it must name a "
-                + " or ".join((*PREFIX_SCORER_TYPES, *PREFIX_PRODUCER_TYPES))
-            )
-        return plugin
-    found = [p for p in plugins.values() if p.type in PREFIX_SCORER_TYPES]
-    if not found:
-        found = [p for p in plugins.values() if _producer_source(p) is not None]
-        if len(found) == 1:
-            inner = _producer_source(found[0])
-            assert inner is not None
-            return inner
-    if len(found) == 1 and isinstance(found[0], Scorer):
-        return found[0]
-    if not found:
-        raise ValueError(
-            f"{owner} reads a prefix match; declare a prefix-cache-scorer, "
-            "precise-prefix-cache-scorer or a prefix producer (approx-prefix-cache-producer, "
-            "precise-prefix-cache-producer)"
-        )
-    raise ValueError(
-        f"several prefix scorers or producers are declared ({', '.join(p.name for p in found)}); "
-        f"say which one with `{parameter}`"
-    )
-
-
-def prefix_scores(
-    cycle: CycleState, scorer: Scorer, request: LLMRequest, endpoints: list[EndpointState]
-) -> Sequence[float]:
-    """`scorer`'s scores for `endpoints`, computed once per cycle and shared."""
-    key = f"prefix-scores/{scorer.name}"
-    cached: dict[str, float] | None = cycle.data.get(key)
-    if cached is None:
-        scores = scorer.score(cycle, request, endpoints)
-        cycle.data[key] = dict(zip([s.address for s in endpoints], scores, strict=True))
-        return scores
-    missing = [s for s in endpoints if s.address not in cached]
-    if missing:
-        fresh = scorer.score(cycle, request, missing)
-        cached.update(zip([s.address for s in missing], fresh, strict=True))
-    return [cached[s.address] for s in endpoints]
 
 
 # -- prefix-cache-affinity-filter ----------------------------------------------------------
@@ -156,9 +97,13 @@ class PrefixCacheAffinityFilter:
 
     type: ClassVar[str] = "prefix-cache-affinity-filter"
 
-    def __init__(self, name: str, params: AffinityFilterParameters) -> None:
+    def __init__(
+        self, name: str, params: AffinityFilterParameters, routing: RoutingState | None = None
+    ) -> None:
         self.name = name
         self.params = params
+        self.routing = routing
+        """The pool's learned state, which keeps this filter's own index (when it has one)."""
         self.prefix: Scorer | None = None
         self._own: PrefixCacheScorer | None = None
         self.decisions: dict[str, int] = {}
@@ -167,12 +112,13 @@ class PrefixCacheAffinityFilter:
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        return cls(name, decode_parameters(AffinityFilterParameters, cls.type, name, parameters))
+        params = decode_parameters(AffinityFilterParameters, cls.type, name, parameters)
+        return cls(name, params, routing_state(ctx))
 
     def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
         named = self.params.prefix_match_info_producer_name
         if named is None and not any(
-            p.type in PREFIX_SCORER_TYPES or _producer_source(p) is not None
+            p.type in PREFIX_SCORER_TYPES or producer_source(p) is not None
             for p in plugins.values()
         ):
             # Nothing declared produces a prefix match (llm-d's predicted-latency guides
@@ -180,7 +126,9 @@ class PrefixCacheAffinityFilter:
             # of its own, fed by this filter's pre_request hook.
             from servegate.scheduling.prefix.approx import ApproxPrefixParameters, PrefixCacheScorer
 
-            self._own = PrefixCacheScorer(f"{self.name}/prefix", ApproxPrefixParameters())
+            self._own = PrefixCacheScorer(
+                f"{self.name}/prefix", ApproxPrefixParameters(), routing=self.routing
+            )
             self.prefix = self._own
             return
         self.prefix = find_prefix_scorer(self.type, plugins, named, "prefixMatchInfoProducerName")
@@ -422,7 +370,9 @@ class _SessionAffinity:
 
     type: ClassVar[str]
 
-    def __init__(self, name: str, params: SessionAffinityParameters) -> None:
+    def __init__(
+        self, name: str, params: SessionAffinityParameters, routing: RoutingState | None = None
+    ) -> None:
         self.name = name
         self.params = params
         self.token_header = params.encoded_endpoint_header_config.name.lower()
@@ -431,14 +381,19 @@ class _SessionAffinity:
         self.producers: dict[str, Any] = {}
         self.ttl = sid.eviction_ttl_seconds
         self.sweep_every = sid.eviction_sweep_seconds
-        self.bindings: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        """Session id → (address, last used), least recently used first."""
+        shared = routing if routing is not None else RoutingState()
+        self.bindings: OrderedDict[str, tuple[str, float]] = shared.shared(
+            SESSION_BINDINGS, name, params.strategy, OrderedDict, OrderedDict
+        )
+        """Session id → (address, last used), least recently used first; owned by the pool's
+        state, so sessions stay bound across a picker reload."""
         self._next_sweep = 0.0
         self._state_key = f"session-affinity/{name}"
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        return cls(name, decode_parameters(SessionAffinityParameters, cls.type, name, parameters))
+        params = decode_parameters(SessionAffinityParameters, cls.type, name, parameters)
+        return cls(name, params, routing_state(ctx))
 
     def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
         for source in self.sources:

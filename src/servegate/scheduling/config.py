@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from servegate.scheduling.declared import StartupWarnings
+from servegate.scheduling.factory import PluginContext, PluginFactory, location
 from servegate.scheduling.framework import (
     Filter,
     Picker,
@@ -32,12 +33,7 @@ from servegate.scheduling.framework import (
 )
 from servegate.scheduling.pickers import MaxScorePicker
 from servegate.scheduling.profiles import ProfileSetCheck, SingleProfileHandler
-from servegate.scheduling.registry import (
-    PluginContext,
-    PluginFactory,
-    builtin_registry,
-    location,
-)
+from servegate.scheduling.registry import builtin_registry
 from servegate.scheduling.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -380,7 +376,7 @@ def _check_sections(config: EndpointPickerConfig, plugins: Mapping[str, Plugin])
     return what they mean for servegate as warnings (empty when nothing differs)."""
     from servegate.scheduling.datasources import DISCOVERY_KIND, EXTRACTOR_KIND, SOURCE_KIND
     from servegate.scheduling.parsers import PARSER_KIND
-    from servegate.scheduling.producers import PRODUCER_KIND
+    from servegate.scheduling.prefix.lookup import PRODUCER_KIND
 
     warnings: list[str] = []
     parsers = config.request_handler.parsers if config.request_handler else []

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from servegate.scheduling.declared import DeclaredPlugin, ParamsModel
-from servegate.scheduling.registry import Parameters
+from servegate.scheduling.factory import Parameters
 
 SOURCE_KIND = "data-source"
 EXTRACTOR_KIND = "data-extractor"

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Protocol, Self, runtime_checkable
 
-from servegate.scheduling.registry import (
+from servegate.scheduling.factory import (
     NoParameters,
     Parameters,
     PluginContext,

@@ -35,7 +35,12 @@ from typing import Any, ClassVar, Literal, Protocol, Self, runtime_checkable
 from pydantic import Field, model_validator
 
 from servegate.pool.endpoint import EndpointState
-from servegate.scheduling.affinity import PREFIX_SCORER_TYPES, prefix_scores
+from servegate.scheduling.factory import (
+    ParameterlessPlugin,
+    Parameters,
+    PluginContext,
+    decode_parameters,
+)
 from servegate.scheduling.framework import (
     CycleState,
     Decision,
@@ -44,12 +49,7 @@ from servegate.scheduling.framework import (
     SchedulerProfile,
     Scorer,
 )
-from servegate.scheduling.registry import (
-    ParameterlessPlugin,
-    Parameters,
-    PluginContext,
-    decode_parameters,
-)
+from servegate.scheduling.prefix.lookup import PREFIX_SCORER_TYPES, prefix_scores
 from servegate.scheduling.request import LLMRequest, RequestKind
 
 PREFILLER_HEADER = "x-prefiller-host-port"

@@ -12,13 +12,13 @@ from typing import Any, ClassVar, Literal, Self
 from pydantic import Field, model_validator
 
 from servegate.pool.endpoint import ROLE_LABEL, Endpoint, EndpointState, Role
-from servegate.scheduling.framework import CycleState
-from servegate.scheduling.registry import (
+from servegate.scheduling.factory import (
     ParameterlessPlugin,
     Parameters,
     PluginContext,
     decode_parameters,
 )
+from servegate.scheduling.framework import CycleState
 from servegate.scheduling.request import LLMRequest
 
 LEGACY_LABEL_SELECTOR_TYPE = "by-label-selector"

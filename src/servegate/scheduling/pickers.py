@@ -20,8 +20,8 @@ from typing import Any, ClassVar, Self
 from pydantic import Field
 
 from servegate.pool.endpoint import EndpointState
+from servegate.scheduling.factory import Parameters, PluginContext, decode_parameters
 from servegate.scheduling.framework import CycleState
-from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
 from servegate.scheduling.request import LLMRequest
 
 

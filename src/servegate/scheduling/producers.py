@@ -26,7 +26,7 @@ data it produces:
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, ClassVar, Self
 
 import xxhash
@@ -34,44 +34,13 @@ from pydantic import Field, model_validator
 
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.declared import DeclaredPlugin, ParamsModel
+from servegate.scheduling.factory import Parameters, PluginContext, decode_parameters
 from servegate.scheduling.framework import CycleState, Decision
 from servegate.scheduling.prefix.approx import ApproxPrefixParameters, PrefixCacheScorer
+from servegate.scheduling.prefix.lookup import PRODUCER_KIND, PrefixProducer, find_prefix_scorer
 from servegate.scheduling.prefix.precise import PrecisePrefixCacheScorer, PrecisePrefixParameters
-from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
 from servegate.scheduling.request import LLMRequest
-
-PRODUCER_KIND = "producer"
-
-
-class PrefixProducer:
-    """Base of the prefix producers: an inner scorer computes the match, consumers read it.
-
-    Not a `Scorer` (no `score` method): a producer cannot sit in a profile, as in llm-d.
-    """
-
-    type: ClassVar[str]
-    kind: ClassVar[str] = PRODUCER_KIND
-    source: PrefixCacheScorer | PrecisePrefixCacheScorer
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def match(
-        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
-    ) -> Sequence[float]:
-        """Per endpoint: the share of the prompt's blocks it holds (tier-weighted when precise)."""
-        return self.source.score(cycle, request, endpoints)
-
-    def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None:
-        hook = getattr(self.source, "pre_request", None)
-        if hook is not None:
-            hook(request, decision, now)
-
-    def startup_warnings(self) -> list[str]:
-        return []
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r})"
+from servegate.scheduling.routing_state import RoutingState, routing_state
 
 
 class ApproxProducerParameters(ApproxPrefixParameters):
@@ -89,18 +58,23 @@ class ApproxPrefixCacheProducer(PrefixProducer):
 
     type: ClassVar[str] = "approx-prefix-cache-producer"
 
-    def __init__(self, name: str, params: ApproxProducerParameters) -> None:
+    def __init__(
+        self, name: str, params: ApproxProducerParameters, routing: RoutingState | None = None
+    ) -> None:
         super().__init__(name)
         index = params.model_dump(by_alias=True, exclude={"max_prefix_tokens_to_match"})
         tokens = params.max_prefix_tokens_to_match
         if tokens:
             index["maxPrefixBlocksToMatch"] = max(1, tokens // params.block_size_tokens)
         self.params = params
-        self.source = PrefixCacheScorer(name, ApproxPrefixParameters.model_validate(index))
+        self.source = PrefixCacheScorer(
+            name, ApproxPrefixParameters.model_validate(index), routing=routing
+        )
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        return cls(name, decode_parameters(ApproxProducerParameters, cls.type, name, parameters))
+        params = decode_parameters(ApproxProducerParameters, cls.type, name, parameters)
+        return cls(name, params, routing_state(ctx))
 
 
 class PrecisePrefixCacheProducer(PrefixProducer):
@@ -111,38 +85,17 @@ class PrecisePrefixCacheProducer(PrefixProducer):
 
     type: ClassVar[str] = "precise-prefix-cache-producer"
 
-    def __init__(self, name: str, params: PrecisePrefixParameters) -> None:
+    def __init__(
+        self, name: str, params: PrecisePrefixParameters, routing: RoutingState | None = None
+    ) -> None:
         super().__init__(name)
         self.params = params
-        self.source = PrecisePrefixCacheScorer(name, params)
+        self.source = PrecisePrefixCacheScorer(name, params, routing)
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        return cls(name, decode_parameters(PrecisePrefixParameters, cls.type, name, parameters))
-
-
-def find_prefix_producer(
-    plugins: Mapping[str, object], name: str | None, parameter: str
-) -> PrefixProducer | None:
-    """The producer a consumer reads: the one named, else one declared under its type name."""
-    if name:
-        plugin = plugins.get(name)
-        if plugin is None:
-            raise ValueError(
-                f"{parameter} {name!r} names no declared plugin; declare an "
-                "approx-prefix-cache-producer or precise-prefix-cache-producer with that name"
-            )
-        if not isinstance(plugin, PrefixProducer):
-            raise ValueError(
-                f"{parameter} {name!r} is a {getattr(plugin, 'type', '?')!r}, not a prefix "
-                "producer (approx-prefix-cache-producer, precise-prefix-cache-producer)"
-            )
-        return plugin
-    for default in (ApproxPrefixCacheProducer.type, PrecisePrefixCacheProducer.type):
-        plugin = plugins.get(default)
-        if isinstance(plugin, PrefixProducer):
-            return plugin
-    return None
+        params = decode_parameters(PrecisePrefixParameters, cls.type, name, parameters)
+        return cls(name, params, routing_state(ctx))
 
 
 # -- producers whose data servegate keeps anyway, or computes elsewhere -----------------
@@ -271,8 +224,6 @@ class P2PSourceProducer(DeclaredPlugin):
         self.block_size = 16
 
     def bind_plugins(self, plugins: Mapping[str, Any]) -> None:
-        from servegate.scheduling.affinity import find_prefix_scorer
-
         p = self.params
         assert isinstance(p, P2PSourceParameters)
         self.source = find_prefix_scorer(
@@ -358,14 +309,19 @@ class BurstPrefixCacheProducer(PrefixProducer):
 
     type: ClassVar[str] = "burst-prefix-cache-producer"
 
-    def __init__(self, name: str, params: BurstPrefixParameters) -> None:
+    def __init__(
+        self, name: str, params: BurstPrefixParameters, routing: RoutingState | None = None
+    ) -> None:
         super().__init__(name)
         self.params = params
-        self.source = PrefixCacheScorer(name, ApproxPrefixParameters.model_validate({}))
+        self.source = PrefixCacheScorer(
+            name, ApproxPrefixParameters.model_validate({}), routing=routing
+        )
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        return cls(name, decode_parameters(BurstPrefixParameters, cls.type, name, parameters))
+        params = decode_parameters(BurstPrefixParameters, cls.type, name, parameters)
+        return cls(name, params, routing_state(ctx))
 
     def startup_warnings(self) -> list[str]:
         return [

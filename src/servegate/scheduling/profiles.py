@@ -17,13 +17,13 @@ from typing import Any, ClassVar, Protocol, Self, runtime_checkable
 
 from pydantic import Field
 
-from servegate.scheduling.framework import CycleState, Decision, ProfileResult, SchedulerProfile
-from servegate.scheduling.registry import (
+from servegate.scheduling.factory import (
     ParameterlessPlugin,
     Parameters,
     PluginContext,
     decode_parameters,
 )
+from servegate.scheduling.framework import CycleState, Decision, ProfileResult, SchedulerProfile
 from servegate.scheduling.request import LLMRequest
 
 

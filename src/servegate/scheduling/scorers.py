@@ -23,13 +23,13 @@ from typing import Any, ClassVar, Self
 from pydantic import Field, field_validator
 
 from servegate.pool.endpoint import EndpointState
-from servegate.scheduling.framework import CycleState
-from servegate.scheduling.registry import (
+from servegate.scheduling.factory import (
     ParameterlessPlugin,
     Parameters,
     PluginContext,
     decode_parameters,
 )
+from servegate.scheduling.framework import CycleState
 from servegate.scheduling.request import LLMRequest
 
 NAN = float("nan")

@@ -34,8 +34,8 @@ from servegate.scheduling.datasources import (
     HTTPSourceParameters,
 )
 from servegate.scheduling.declared import DeclaredPlugin, ParamsModel
+from servegate.scheduling.factory import Parameters, PluginContext, decode_parameters
 from servegate.scheduling.framework import CycleState
-from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
 from servegate.scheduling.request import LLMRequest
 from servegate.scheduling.scorers import KVCacheUtilizationScorer, QueueScorer
 

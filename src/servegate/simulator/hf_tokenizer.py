@@ -132,3 +132,13 @@ def _token_str(value: Any) -> str:
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return str(value["content"])
     return ""
+
+
+def load_tokenizer(path: str | None) -> builtin.Tokenizer:
+    """The built-in tokenizer, or the HuggingFace one in folder `path`.
+
+    Here rather than in `tokenizer.py` so that the built-in module never imports this one.
+    """
+    if path is None:
+        return builtin.BuiltinTokenizer()
+    return HFTokenizer.from_folder(path)

@@ -11,11 +11,12 @@ from prometheus_client import CollectorRegistry
 from servegate.simulator.config import SimConfig
 from servegate.simulator.engine import Engine
 from servegate.simulator.faults import FaultState
+from servegate.simulator.hf_tokenizer import load_tokenizer
 from servegate.simulator.kv_events import ZmqEventPublisher
 from servegate.simulator.loop_lag import LoopLagMonitor
 from servegate.simulator.metrics import build_registry
 from servegate.simulator.personas import PersonaSpec, persona_spec
-from servegate.simulator.tokenizer import Tokenizer, load_tokenizer
+from servegate.simulator.tokenizer import Tokenizer
 
 
 class SimState:

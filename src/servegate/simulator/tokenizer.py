@@ -287,12 +287,3 @@ class BuiltinTokenizer:
 
     def stream_decoder(self) -> StreamDecoder:
         return _BuiltinStreamDecoder()
-
-
-def load_tokenizer(path: str | None) -> Tokenizer:
-    """The built-in tokenizer, or the HuggingFace one in folder `path`."""
-    if path is None:
-        return BuiltinTokenizer()
-    from servegate.simulator.hf_tokenizer import HFTokenizer
-
-    return HFTokenizer.from_folder(path)

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgpack
 
-from servegate.datalayer.kvevents.events import (
+from servegate.scheduling.prefix.events import (
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,

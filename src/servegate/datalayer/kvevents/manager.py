@@ -34,14 +34,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
 
 import zmq.asyncio
 
-from servegate.curve import CurveKeys, CurveSettings
-from servegate.datalayer.kvevents.events import EventBatch
+from servegate.curve import CurveKeys
+from servegate.datalayer.kvevents.settings import KVEventsSettings
 from servegate.datalayer.kvevents.transport import (
     KVEventSubscriber,
     SubscriberStats,
@@ -49,6 +48,7 @@ from servegate.datalayer.kvevents.transport import (
 )
 from servegate.pool.endpoint import Endpoint, EndpointState
 from servegate.pool.pool import Pool
+from servegate.scheduling.prefix.events import EventBatch
 
 log = logging.getLogger(__name__)
 
@@ -57,34 +57,6 @@ class BlockIndex(Protocol):
     def apply(self, address: str, batch: EventBatch) -> None: ...
 
     def clear(self, address: str) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class KVEventsSettings:
-    """Where replicas publish, when their endpoints do not say."""
-
-    port: int | None = None
-    """Derive `tcp://<replica host>:<port>` for replicas without their own endpoint."""
-    replay_port: int | None = None
-    """Derive the replay socket `tcp://<host>:<replay_port>` the same way."""
-    topic_filter: str = ""
-    """ZMQ subscription prefix; "" receives every topic."""
-    bind_endpoint: str | None = None
-    """A SUB socket to bind for all replicas (`tcp://*:5557`, `tcp://127.0.0.1:5557`)."""
-    replay_timeout_s: float = 2.0
-    curve: CurveSettings | None = None
-    """CURVE: a bound socket admits only authorized publisher keys; with `server_key_file`
-    set, per-replica (connected) sockets are CURVE clients of publishers holding that key
-    (relays that are CURVE servers); without it they stay plain, as vLLM publishes."""
-    allow_unauthenticated_bind: bool = False
-    """Run a bind socket without `curve`: messages are accepted only from the TCP address of
-    the pool member their topic names. Without this (or `curve`) bind mode stays off."""
-    auto: bool = False
-    """Nothing configured: `port` is llm-d's convention, used for replicas alone on their
-    host, and a topic that names another replica is dropped."""
-
-
-AUTO_PORT = 5557
 
 
 def _host(endpoint: str) -> str | None:
@@ -209,10 +181,15 @@ class KVEventsManager:
         pool: Pool,
         indexes: Sequence[BlockIndex],
         settings: KVEventsSettings | None = None,
+        *,
+        auto: bool = False,
     ) -> None:
         self.pool = pool
         self.indexes = list(indexes)
         self.settings = settings or KVEventsSettings()
+        self.auto = auto
+        """Nothing configured: `settings.port` is llm-d's convention, used for replicas alone
+        on their host, and a topic that names another replica is dropped."""
         self.subscribers: dict[str, KVEventSubscriber] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stopping: set[asyncio.Task[None]] = set()
@@ -239,10 +216,10 @@ class KVEventsManager:
                 if host:
                     replay = f"tcp://{host}:{s.replay_port}"
             return url, replay
-        if s.port is None or s.bind_endpoint is not None:
+        if s.port is None or s.bind is not None:
             return None
         host = endpoint.host
-        if s.auto and self._shares_host(endpoint):
+        if self.auto and self._shares_host(endpoint):
             return None
         replay = endpoint.kv_events_replay
         if replay is None and s.replay_port is not None:
@@ -257,12 +234,12 @@ class KVEventsManager:
     def status(self) -> dict[str, dict[str, object]]:
         """Per replica: where its KV events come from and whether any arrived."""
         out: dict[str, dict[str, object]] = {}
-        bind = self.settings.bind_endpoint
+        bind = self.settings.bind
         for state in self.pool:
             resolved = self.resolve(state.endpoint)
             sub = self.subscribers.get(state.address)
             if resolved is None and bind is None:
-                why = "shares its host; set its kv_events" if self.settings.auto else "none"
+                why = "shares its host; set its kv_events" if self.auto else "none"
                 out[state.address] = {"kv_events": why, "receiving": False}
                 continue
             url = resolved[0] if resolved is not None else bind
@@ -272,7 +249,7 @@ class KVEventsManager:
                 stats = bound.stats if bound is not None else None
             out[state.address] = {
                 "kv_events": url,
-                "auto": self.settings.auto and state.endpoint.kv_events is None,
+                "auto": self.auto and state.endpoint.kv_events is None,
                 "receiving": bool(stats is not None and stats.batches > 0),
                 "batches": 0 if stats is None else stats.batches,
                 "dropped": 0 if stats is None else sum(stats.dropped.values()),
@@ -287,7 +264,7 @@ class KVEventsManager:
         if not self._subscribed:
             self.pool.subscribe(self._on_pool_change)
             self._subscribed = True
-        bind = self.settings.bind_endpoint
+        bind = self.settings.bind
         if bind is not None:
             self._start_bind(bind)
         for state in self.pool:
@@ -360,7 +337,7 @@ class KVEventsManager:
             self._unwatch(state.address)
             for index in self.indexes:
                 index.clear(state.address)
-        if self.settings.auto:
+        if self.auto:
             # a replica alone on its host gains or loses the conventional port
             for other in self.pool:
                 if other.endpoint.host != state.endpoint.host or other is state:
@@ -388,7 +365,7 @@ class KVEventsManager:
         sink = _EndpointSink(
             endpoint.address,
             self.indexes,
-            check_topic=self.settings.auto and endpoint.kv_events is None,
+            check_topic=self.auto and endpoint.kv_events is None,
             stats=stats,
         )
         subscriber = KVEventSubscriber(

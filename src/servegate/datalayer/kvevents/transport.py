@@ -40,7 +40,7 @@ import zmq.asyncio
 
 from servegate.curve import CurveKeys, ZapRegistry, peer_address, user_id
 from servegate.datalayer.kvevents.decode import DecodeError, decode_batch
-from servegate.datalayer.kvevents.events import (
+from servegate.scheduling.prefix.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

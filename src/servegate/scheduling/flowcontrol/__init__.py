@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.flowcontrol.controller import (
     DROPPED_REASONS,
     Admission,
@@ -36,7 +37,6 @@ from servegate.scheduling.flowcontrol.settings import (
     from_picker_sections,
 )
 from servegate.scheduling.framework import Plugin
-from servegate.scheduling.registry import PluginContext
 
 __all__ = [
     "DROPPED_REASONS",

@@ -16,7 +16,7 @@ from typing import ClassVar
 from pydantic import Field
 
 from servegate.scheduling.declared import DeclaredPlugin, ParamsModel
-from servegate.scheduling.registry import Parameters
+from servegate.scheduling.factory import Parameters
 
 FAIRNESS_KIND = "fairness-policy"
 ORDERING_KIND = "ordering-policy"

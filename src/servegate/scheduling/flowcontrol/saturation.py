@@ -47,9 +47,9 @@ from typing import Any, ClassVar, Literal, Protocol, Self, runtime_checkable
 from pydantic import Field, field_validator
 
 from servegate.pool.endpoint import EndpointState
+from servegate.scheduling.factory import Parameters, PluginContext, decode_parameters
 from servegate.scheduling.flowcontrol.units import parse_duration
 from servegate.scheduling.framework import CycleState
-from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
 from servegate.scheduling.request import LLMRequest
 
 SATURATED = 1.0

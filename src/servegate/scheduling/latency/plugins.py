@@ -28,10 +28,10 @@ from typing import Any, ClassVar, Literal, Self
 from pydantic import Field, field_validator
 
 from servegate.pool.endpoint import EndpointState
+from servegate.scheduling.factory import Parameters, PluginContext, decode_parameters
 from servegate.scheduling.framework import CycleState, Plugin, Scorer
 from servegate.scheduling.latency.predictor import SERVICE_KEY, LatencyPredictor, Prediction
 from servegate.scheduling.latency.slo import NO_SLO, Slo, slo_of
-from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
 from servegate.scheduling.request import LLMRequest
 
 PREDICTIONS_KEY = "latency.predictions"

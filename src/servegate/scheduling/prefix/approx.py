@@ -15,13 +15,14 @@ the legacy `blockSize` characters when that llm-d parameter is given.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal, Self
 
 import xxhash
 from pydantic import Field, model_validator
 
 from servegate.pool.endpoint import EndpointState
+from servegate.scheduling.factory import Parameters, PluginContext, decode_parameters
 from servegate.scheduling.framework import CycleState, Decision
 from servegate.scheduling.prefix.hashing import (
     chain_seed,
@@ -29,16 +30,14 @@ from servegate.scheduling.prefix.hashing import (
     keyed_seed,
     token_block_hashes,
 )
-from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
+from servegate.scheduling.prefix.lookup import find_prefix_producer, prefix_scores
 from servegate.scheduling.request import LLMRequest
+from servegate.scheduling.routing_state import APPROX_INDEX, RoutingState, routing_state
 
 CHARS_PER_TOKEN = 4
 HASHES_KEY = "prefix.approx.hashes"
 PARTIAL_KEY = "token_ids_partial"
 """`token_ids` are those of a leading part of the prompt; `prompt_tokens` estimates the whole."""
-
-InsertHook = Callable[[str, Sequence[int], int | None], None]
-"""`hook(address, keys, capacity)` after a routing decision inserts into the index."""
 
 
 class ApproxPrefixParameters(Parameters):
@@ -204,14 +203,20 @@ class PrefixCacheScorer:
         params: ApproxPrefixParameters,
         producer_name: str | None = None,
         own_index_configured: bool = True,
+        routing: RoutingState | None = None,
     ) -> None:
         self.name = name
         self.params = params
-        self.index = ApproxPrefixIndex(params.lru_capacity_per_server)
-        self.on_insert: InsertHook | None = None
-        """Set by scale-out to share local insertions; remote ones go to `index.insert`."""
-        self.seed_key: bytes | None = None
-        """Set by scale-out from `scaleout.prefix_key_file`: block keys chain from a keyed seed."""
+        self.routing = routing if routing is not None else RoutingState()
+        """The pool's learned state, which owns this scorer's index (so it survives a picker
+        reload) and tells scale-out about local insertions."""
+        self.index = self.routing.shared(
+            APPROX_INDEX,
+            name,
+            params.model_dump_json(),
+            ApproxPrefixIndex,
+            lambda: ApproxPrefixIndex(params.lru_capacity_per_server),
+        )
         self.producer_name = producer_name
         self.producer: Any = None
         """The `PrefixProducer` this scorer reads, once bound; None = its own index."""
@@ -235,11 +240,14 @@ class PrefixCacheScorer:
         index = ApproxPrefixParameters.model_validate(
             p.model_dump(by_alias=True, exclude={"prefix_match_info_producer_name"})
         )
-        return cls(name, index, p.prefix_match_info_producer_name, index_given)
+        return cls(name, index, p.prefix_match_info_producer_name, index_given, routing_state(ctx))
+
+    @property
+    def seed_key(self) -> bytes | None:
+        """Scale-out's shared secret, when set on the pool's state: keys chain from a keyed seed."""
+        return self.routing.seed_key
 
     def bind_plugins(self, plugins: Mapping[str, Any]) -> None:
-        from servegate.scheduling.producers import find_prefix_producer
-
         if self.producer_name is None and not self._may_bind_default:
             return
         self.producer = find_prefix_producer(
@@ -288,8 +296,6 @@ class PrefixCacheScorer:
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
     ) -> Sequence[float]:
         if self.producer is not None:
-            from servegate.scheduling.affinity import prefix_scores
-
             return prefix_scores(cycle, self.producer.source, request, endpoints)
         keys = self.block_keys(request)
         if not keys:
@@ -336,5 +342,4 @@ class PrefixCacheScorer:
             if state is not None:
                 capacity = self.capacity_for(state)
                 self.index.insert(state.address, keys, capacity)
-                if self.on_insert is not None:
-                    self.on_insert(state.address, keys, capacity)
+                self.routing.inserted(self.name, state.address, keys, capacity)

@@ -35,20 +35,19 @@ from typing import Any, ClassVar, Self
 
 from pydantic import Field, field_validator, model_validator
 
-from servegate.config import KVEventsPoolSettings
-from servegate.datalayer.kvevents.events import (
+from servegate.pool.endpoint import EndpointState
+from servegate.scheduling.factory import Parameters, PluginContext, decode_parameters
+from servegate.scheduling.framework import CycleState, Decision, Plugin
+from servegate.scheduling.prefix.events import (
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,
     BlockStored,
     EventBatch,
 )
-from servegate.datalayer.kvevents.manager import AUTO_PORT, KVEventsSettings
-from servegate.pool.endpoint import EndpointState
-from servegate.scheduling.framework import CycleState, Decision, Plugin
 from servegate.scheduling.prefix.hashing import chain_seed, token_block_hashes
-from servegate.scheduling.registry import Parameters, PluginContext, decode_parameters
 from servegate.scheduling.request import LLMRequest
+from servegate.scheduling.routing_state import PRECISE_INDEX, RoutingState, routing_state
 
 DEFAULT_TIER_WEIGHTS = {"gpu": 1.0, "cpu": 0.8}
 MAX_TIERS = 8
@@ -629,21 +628,33 @@ class PrecisePrefixCacheScorer:
 
     type: ClassVar[str] = "precise-prefix-cache-scorer"
 
-    def __init__(self, name: str, params: PrecisePrefixParameters) -> None:
+    def __init__(
+        self, name: str, params: PrecisePrefixParameters, routing: RoutingState | None = None
+    ) -> None:
         self.name = name
         self.params = params
         weights: dict[str, float] | None = None
         indexer = params.indexer_config
         if indexer is not None and indexer.backend_configs is not None:
             weights = {b.name.lower(): b.weight for b in indexer.backend_configs}
-        self.index = PreciseIndex(weights, params.max_blocks_per_endpoint)
+        self.routing = routing if routing is not None else RoutingState()
+        """The pool's learned state, which owns this scorer's index: what the KV events
+        taught it survives a picker reload."""
+        self.index = self.routing.shared(
+            PRECISE_INDEX,
+            name,
+            params.model_dump_json(),
+            PreciseIndex,
+            lambda: PreciseIndex(weights, params.max_blocks_per_endpoint),
+        )
         self.default_block_size = params.token_processor().tokens_per_block
         self.max_blocks = params.max_prefix_blocks()
         self.speculative_ttl = parse_duration(params.speculative_ttl)
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        return cls(name, decode_parameters(PrecisePrefixParameters, cls.type, name, parameters))
+        params = decode_parameters(PrecisePrefixParameters, cls.type, name, parameters)
+        return cls(name, params, routing_state(ctx))
 
     def _block_size(self, state: EndpointState) -> int:
         return (
@@ -728,42 +739,3 @@ def precise_owners(plugins: Mapping[str, Plugin]) -> dict[str, PrecisePrefixCach
 def precise_indexes(plugins: Mapping[str, Plugin]) -> dict[str, PreciseIndex]:
     """Plugin name → index, for every precise prefix scorer: what KV events must feed."""
     return {name: owner.index for name, owner in precise_owners(plugins).items()}
-
-
-def kv_events_settings(
-    plugins: Mapping[str, Plugin], pool: KVEventsPoolSettings
-) -> KVEventsSettings:
-    """The subscribers' settings: the pool's `kv_events`, else llm-d's `kvEventsConfig`,
-    else llm-d's convention (`auto`: port 5557 of each replica's host)."""
-    if pool.port is not None or pool.bind is not None:
-        return KVEventsSettings(
-            port=pool.port,
-            replay_port=pool.replay_port,
-            topic_filter=pool.topic_filter,
-            bind_endpoint=pool.bind,
-            replay_timeout_s=pool.replay_timeout_s,
-            curve=pool.curve,
-            allow_unauthenticated_bind=pool.allow_unauthenticated_bind,
-        )
-    for plugin in precise_owners(plugins).values():
-        llmd = plugin.params.kv_events_config
-        if llmd is None or not (llmd.discover_pods or llmd.zmq_endpoint):
-            continue
-        discovery = llmd.pod_discovery_config
-        return KVEventsSettings(
-            port=(discovery.socket_port if discovery else 5557) if llmd.discover_pods else None,
-            replay_port=pool.replay_port,
-            topic_filter=llmd.topic_filter,
-            bind_endpoint=llmd.zmq_endpoint or None,
-            replay_timeout_s=pool.replay_timeout_s,
-            curve=pool.curve,
-            allow_unauthenticated_bind=pool.allow_unauthenticated_bind,
-        )
-    return KVEventsSettings(
-        port=AUTO_PORT,
-        replay_port=pool.replay_port,
-        topic_filter=pool.topic_filter,
-        replay_timeout_s=pool.replay_timeout_s,
-        curve=pool.curve,
-        auto=True,
-    )

@@ -5,7 +5,7 @@ cheapest exact source of the engine's token ids:
 
 1. `hf`: the replica's `/v1/models` names the model's `root` (vLLM: the model
    folder); when that folder is readable here and holds `tokenizer.json`, the
-   gateway tokenises locally, chat templates included (`tokenize.HFTokenizer`);
+   gateway tokenises locally, chat templates included (`sources.HFTokenizer`);
 2. `engine`: else the replica's own `POST /tokenize` (vLLM, SGLang, the simulator),
    probed once;
 3. `chars`: else no ids (the approximate scorer hashes characters), said once.
@@ -50,9 +50,10 @@ import orjson
 import xxhash
 
 from servegate import tokenizer_folder as hf_folder
-from servegate.config import TokenizerSettings
 from servegate.pool.endpoint import EndpointState
-from servegate.scheduling.prefix.tokenize import (
+from servegate.scheduling.request import LLMRequest, RequestKind
+from servegate.tokenization.settings import TokenizerSettings
+from servegate.tokenization.sources import (
     CHAT_OPTIONS,
     HFTokenizer,
     LocalTokenizer,
@@ -60,7 +61,6 @@ from servegate.scheduling.prefix.tokenize import (
     TokenizeStats,
     completion_text,
 )
-from servegate.scheduling.request import LLMRequest, RequestKind
 
 log = logging.getLogger(__name__)
 

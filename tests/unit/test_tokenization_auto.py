@@ -13,13 +13,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from servegate.config import TokenizerSettings
 from servegate.pool.endpoint import Endpoint, EndpointState
-from servegate.scheduling.prefix import autotokenize as auto
-from servegate.scheduling.prefix.tokenize import HFTokenizer, RoutingTokenizers
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.simulator import tokenizer as sim
 from servegate.testing.cluster import SimCluster
+from servegate.tokenization import auto
+from servegate.tokenization.routing import RoutingTokenizers
+from servegate.tokenization.settings import TokenizerSettings
+from servegate.tokenization.sources import HFTokenizer
 
 WORDS = [
     "alpha",

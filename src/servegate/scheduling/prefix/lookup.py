@@ -1,0 +1,147 @@
+"""How a plugin finds the prefix match it reads: a prefix scorer, or a producer's inner one.
+
+Several plugins (the approximate scorer bound to a producer, the affinity filter, the
+P/D decider, the P2P source producer) read another plugin's prefix match. The lookup
+lives here, apart from every plugin module, so that those modules import it and not
+each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+from servegate.pool.endpoint import EndpointState
+from servegate.scheduling.framework import CycleState, Decision, Plugin, Scorer
+from servegate.scheduling.request import LLMRequest
+
+if TYPE_CHECKING:
+    from servegate.scheduling.prefix.approx import PrefixCacheScorer
+    from servegate.scheduling.prefix.precise import PrecisePrefixCacheScorer
+
+PREFIX_SCORER_TYPES = ("prefix-cache-scorer", "precise-prefix-cache-scorer")
+PREFIX_PRODUCER_TYPES = ("approx-prefix-cache-producer", "precise-prefix-cache-producer")
+PRODUCER_KIND = "producer"
+
+
+class PrefixProducer:
+    """Base of the prefix producers: an inner scorer computes the match, consumers read it.
+
+    Not a `Scorer` (no `score` method): a producer cannot sit in a profile, as in llm-d.
+    """
+
+    type: ClassVar[str]
+    kind: ClassVar[str] = PRODUCER_KIND
+    source: PrefixCacheScorer | PrecisePrefixCacheScorer
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def match(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> Sequence[float]:
+        """Per endpoint: the share of the prompt's blocks it holds (tier-weighted when precise)."""
+        return self.source.score(cycle, request, endpoints)
+
+    def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None:
+        hook = getattr(self.source, "pre_request", None)
+        if hook is not None:
+            hook(request, decision, now)
+
+    def startup_warnings(self) -> list[str]:
+        return []
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def producer_source(plugin: Plugin) -> Scorer | None:
+    """The match-computing scorer inside a prefix producer (llm-d's producer/consumer split)."""
+    inner = getattr(plugin, "source", None)
+    if getattr(plugin, "kind", None) == "producer" and isinstance(inner, Scorer):
+        return inner
+    return None
+
+
+def find_prefix_scorer(
+    owner: str, plugins: Mapping[str, Plugin], name: str | None, parameter: str
+) -> Scorer:
+    """The prefix match a plugin reads: the scorer or producer named, or the only one declared.
+
+    A prefix producer (`approx-prefix-cache-producer`, `precise-prefix-cache-producer`)
+    counts as its match; with none named, declared prefix scorers come first, then
+    producers.
+    """
+    if name is not None:
+        plugin = plugins.get(name)
+        if plugin is None:
+            raise ValueError(f"{parameter} {name!r} names no declared plugin")
+        inner = producer_source(plugin)
+        if inner is not None:
+            return inner
+        if plugin.type not in PREFIX_SCORER_TYPES or not isinstance(plugin, Scorer):
+            raise ValueError(
+                f"{parameter} {name!r} is a {plugin.type!r}; it must name a "
+                + " or ".join((*PREFIX_SCORER_TYPES, *PREFIX_PRODUCER_TYPES))
+            )
+        return plugin
+    found = [p for p in plugins.values() if p.type in PREFIX_SCORER_TYPES]
+    if not found:
+        found = [p for p in plugins.values() if producer_source(p) is not None]
+        if len(found) == 1:
+            inner = producer_source(found[0])
+            assert inner is not None
+            return inner
+    if len(found) == 1 and isinstance(found[0], Scorer):
+        return found[0]
+    if not found:
+        raise ValueError(
+            f"{owner} reads a prefix match; declare a prefix-cache-scorer, "
+            "precise-prefix-cache-scorer or a prefix producer (approx-prefix-cache-producer, "
+            "precise-prefix-cache-producer)"
+        )
+    raise ValueError(
+        f"several prefix scorers or producers are declared ({', '.join(p.name for p in found)}); "
+        f"say which one with `{parameter}`"
+    )
+
+
+def prefix_scores(
+    cycle: CycleState, scorer: Scorer, request: LLMRequest, endpoints: list[EndpointState]
+) -> Sequence[float]:
+    """`scorer`'s scores for `endpoints`, computed once per cycle and shared."""
+    key = f"prefix-scores/{scorer.name}"
+    cached: dict[str, float] | None = cycle.data.get(key)
+    if cached is None:
+        scores = scorer.score(cycle, request, endpoints)
+        cycle.data[key] = dict(zip([s.address for s in endpoints], scores, strict=True))
+        return scores
+    missing = [s for s in endpoints if s.address not in cached]
+    if missing:
+        fresh = scorer.score(cycle, request, missing)
+        cached.update(zip([s.address for s in missing], fresh, strict=True))
+    return [cached[s.address] for s in endpoints]
+
+
+def find_prefix_producer(
+    plugins: Mapping[str, object], name: str | None, parameter: str
+) -> PrefixProducer | None:
+    """The producer a consumer reads: the one named, else one declared under its type name."""
+    if name:
+        plugin = plugins.get(name)
+        if plugin is None:
+            raise ValueError(
+                f"{parameter} {name!r} names no declared plugin; declare an "
+                "approx-prefix-cache-producer or precise-prefix-cache-producer with that name"
+            )
+        if not isinstance(plugin, PrefixProducer):
+            raise ValueError(
+                f"{parameter} {name!r} is a {getattr(plugin, 'type', '?')!r}, not a prefix "
+                "producer (approx-prefix-cache-producer, precise-prefix-cache-producer)"
+            )
+        return plugin
+    for default in PREFIX_PRODUCER_TYPES:
+        plugin = plugins.get(default)
+        if isinstance(plugin, PrefixProducer):
+            return plugin
+    return None
