@@ -383,7 +383,7 @@ def test_bad_durations(text: str) -> None:
         pytest.param(
             KVEventsPoolSettings(),
             {},
-            KVEventsSettings(port=5557, auto=True),
+            KVEventsSettings(port=5557, replay_port=5558, auto=True, replay_optional=True),
             id="nothing-configured-llm-d-convention",
         ),
     ],

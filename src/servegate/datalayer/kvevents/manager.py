@@ -10,7 +10,9 @@ Nothing configured (`auto`): llm-d's convention, `tcp://<replica host>:5557`, fo
 every replica that is the only pool member on its host (several replicas on one
 host cannot all publish on one port, so they need their own `kv_events`). A
 missing publisher costs one idle SUB socket that ZeroMQ keeps reconnecting; a
-batch whose topic names another replica (`kv@<host:port>@…`) is dropped.
+batch whose topic names another replica (`kv@<host:port>@…`) is dropped. The replay
+socket is llm-d's `tcp://<replica host>:5558`; when it does not answer the first
+replay (on the first batch, or a gap) it is not asked again for that replica.
 
 Batches go to every `BlockIndex` (one per precise prefix scorer). A replica
 removed from the pool loses its subscriber and its blocks.
@@ -82,9 +84,15 @@ class KVEventsSettings:
     auto: bool = False
     """Nothing configured: `port` is llm-d's convention, used for replicas alone on their
     host, and a topic that names another replica is dropped."""
+    replay_optional: bool = False
+    """`replay_port` is a guess (nothing configured: llm-d's 5558): a replica whose replay
+    socket does not answer once is not asked again (`KVEventSubscriber.replay_optional`)."""
 
 
 AUTO_PORT = 5557
+AUTO_REPLAY_PORT = 5558
+"""llm-d's convention for the publisher's replay ROUTER socket (vLLM's `replay_endpoint`
+`tcp://*:5558`), asked in auto mode when the pool names no replay port."""
 
 
 def _host(endpoint: str) -> str | None:
@@ -273,6 +281,11 @@ class KVEventsManager:
             out[state.address] = {
                 "kv_events": url,
                 "auto": self.settings.auto and state.endpoint.kv_events is None,
+                "replay": (
+                    sub.replay_endpoint
+                    if sub is not None
+                    else (resolved[1] if resolved is not None else None)
+                ),
                 "receiving": bool(stats is not None and stats.batches > 0),
                 "batches": 0 if stats is None else stats.batches,
                 "dropped": 0 if stats is None else sum(stats.dropped.values()),
@@ -403,6 +416,7 @@ class KVEventsManager:
             bind=bound,
             curve=keys,
             admit=self._origins.for_replica(endpoint) if bound else None,
+            replay_optional=self.settings.replay_optional and endpoint.kv_events_replay is None,
         )
         self._launch(endpoint.address, subscriber)
 

@@ -43,7 +43,7 @@ from servegate.datalayer.kvevents.events import (
     BlockStored,
     EventBatch,
 )
-from servegate.datalayer.kvevents.manager import AUTO_PORT, KVEventsSettings
+from servegate.datalayer.kvevents.manager import AUTO_PORT, AUTO_REPLAY_PORT, KVEventsSettings
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.framework import CycleState, Decision, Plugin
 from servegate.scheduling.prefix.hashing import chain_seed, token_block_hashes
@@ -692,7 +692,7 @@ def kv_events_settings(
     plugins: Mapping[str, Plugin], pool: KVEventsPoolSettings
 ) -> KVEventsSettings:
     """The subscribers' settings: the pool's `kv_events`, else llm-d's `kvEventsConfig`,
-    else llm-d's convention (`auto`: port 5557 of each replica's host)."""
+    else llm-d's convention (`auto`: port 5557 of each replica's host, replay on 5558)."""
     if pool.port is not None or pool.bind is not None:
         return KVEventsSettings(
             port=pool.port,
@@ -719,9 +719,10 @@ def kv_events_settings(
         )
     return KVEventsSettings(
         port=AUTO_PORT,
-        replay_port=pool.replay_port,
+        replay_port=AUTO_REPLAY_PORT if pool.replay_port is None else pool.replay_port,
         topic_filter=pool.topic_filter,
         replay_timeout_s=pool.replay_timeout_s,
         curve=pool.curve,
         auto=True,
+        replay_optional=pool.replay_port is None,
     )
