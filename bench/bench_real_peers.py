@@ -354,7 +354,9 @@ async def run_target(
             return await measure(session, name, target, items, lambda _: url, urls, concurrency)
     config = servegate_config(target, urls)
     tag = name.replace("/", "-")
-    async with GatewayProcess(f"{tag}-{target}", config, workdir, replicas=len(urls)) as gw:
+    async with GatewayProcess(
+        f"{tag}-{target}", config, workdir, replicas=len(urls), startup_timeout_s=180.0
+    ) as gw:
         await reset_prefix_caches(session, urls)
         return await measure(session, name, target, items, lambda _: gw.url, urls, concurrency)
 
