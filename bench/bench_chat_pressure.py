@@ -1,10 +1,13 @@
-"""Multi-turn chat under cache pressure on simulated replicas: which placement keeps caches.
+"""Placement under cache pressure on simulated replicas: which profile keeps caches.
 
     .venv/bin/python bench/bench_chat_pressure.py --clients 1 4 --seeds 0 1 2
+    .venv/bin/python bench/bench_chat_pressure.py --workloads shared shared-many chat \
+        --clients 1 4 8 --seeds 0 1 2 --profiles default default-no-hit sticky-no-hit
 
-The workload of `bench_real_peers.py`'s `chat` (8 active conversations of 6 turns,
-each with its own system prompt; 30 conversations ≈ 2.8× the cluster's KV cache)
-on 3 simulated vLLM replicas with 4,096 tokens of KV cache each (256 blocks of 16,
+The workloads of `bench_real_peers.py` (default `chat`: 8 active conversations of 6
+turns, each with its own system prompt; 30 conversations ≈ 2.8× the cluster's KV
+cache; `shared`, `shared-many`, `chat-heavy`, …; `--clients` overrides their
+concurrency) on 3 simulated vLLM replicas with 4,096 tokens of KV cache each (256 blocks of 16,
 the real-vLLM bench's size), through gateways that differ only in their picker;
 `oracle` sends conversation c to replica c mod 3. The hit rate comes from the
 simulators' own counters.
@@ -20,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from bench_real_peers import Item, chat_workload
+from bench_real_peers import Item, workload
 from servegate.testing.cluster import SimCluster
 from servegate.testing.gateway import GatewayRunner
 
@@ -45,6 +48,13 @@ STICKY = {
     "type": "prefix-cache-affinity-filter",
     "parameters": {"prefixMatchInfoProducerName": "prefix-cache-scorer"},
 }
+SATURATED = {**STICKY, "parameters": {**STICKY["parameters"], "maxInFlightRequestsDelta": 3}}
+OLD_DEFAULT = [
+    ("precise-prefix-cache-scorer", 1),
+    ("prefix-cache-scorer", 3),
+    *LOAD,
+    ("lora-affinity-scorer", 1),
+]
 PROFILES: dict[str, dict[str, Any] | None] = {
     "round-robin": {**HEAD, "plugins": [{"type": "round-robin-picker"}]},
     "default": None,
@@ -52,9 +62,14 @@ PROFILES: dict[str, dict[str, Any] | None] = {
     "sticky+prefix": picker([("prefix-cache-scorer", 3), *LOAD], [STICKY]),
     "sticky-saturated": picker(
         [("precise-prefix-cache-scorer", 1), ("prefix-cache-scorer", 3), *LOAD],
-        [{**STICKY, "parameters": {**STICKY["parameters"], "maxInFlightRequestsDelta": 3}}],
+        [SATURATED],
     ),
     "prefix-heavy": picker([("precise-prefix-cache-scorer", 1), ("prefix-cache-scorer", 6), *LOAD]),
+    # the default before the affinity filter and no-hit-lru-scorer joined it (2026-12-02)
+    "default-old": picker(OLD_DEFAULT),
+    # candidates measured for the new default (no-hit-lru at weight 2)
+    "default-no-hit": picker([*OLD_DEFAULT, ("no-hit-lru-scorer", 2)]),
+    "sticky-no-hit": picker([*OLD_DEFAULT, ("no-hit-lru-scorer", 2)], [SATURATED]),
 }
 
 
@@ -102,30 +117,32 @@ async def run(name: str, items: Sequence[Item], clients: int) -> tuple[float, li
 
 async def main_async(args: argparse.Namespace) -> None:
     names = ["oracle", *(args.profiles or PROFILES)]
-    print("| clients | profile | hit rate (per seed) | mean | of oracle | max/mean |")
-    print("|---|---|---|---|---|---|")
-    for clients in args.clients:
-        oracle_mean = 0.0
-        for name in names:
-            rates, worst = [], 0.0
-            for seed in args.seeds:
-                items = chat_workload(30, 8, 6, 170, seed)
-                rate, per = await run(name, items, clients)
-                rates.append(rate)
-                worst = max(worst, max(per) / statistics.fmean(per))
-            mean = statistics.fmean(rates)
-            if name == "oracle":
-                oracle_mean = mean
-            each = " / ".join(f"{r * 100:.1f}" for r in rates)
-            print(
-                f"| {clients} | `{name}` | {each} | {mean * 100:.1f} % | "
-                f"{mean / oracle_mean:.2f} | ≤ {worst:.2f} |",
-                flush=True,
-            )
+    print("| workload | clients | profile | hit rate (per seed) | mean | of oracle | max/mean |")
+    print("|---|---|---|---|---|---|---|")
+    for name_w in args.workloads:
+        for clients in args.clients:
+            oracle_mean = 0.0
+            for name in names:
+                rates, worst = [], 0.0
+                for seed in args.seeds:
+                    items, _ = workload(name_w, seed, 1.0)
+                    rate, per = await run(name, items, clients)
+                    rates.append(rate)
+                    worst = max(worst, max(per) / statistics.fmean(per))
+                mean = statistics.fmean(rates)
+                if name == "oracle":
+                    oracle_mean = mean
+                each = " / ".join(f"{r * 100:.1f}" for r in rates)
+                print(
+                    f"| {name_w} | {clients} | `{name}` | {each} | {mean * 100:.1f} % | "
+                    f"{mean / oracle_mean:.2f} | ≤ {worst:.2f} |",
+                    flush=True,
+                )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--workloads", nargs="+", default=["chat"])
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--profiles", nargs="*", default=None)

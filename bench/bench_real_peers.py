@@ -34,6 +34,7 @@ Workloads (all seeded; `--scale` multiplies request counts):
   drawn among the active ones; 30 conversations ≈ 34k tokens in all, ≈ 2.8× the
   cluster's KV cache; the active ones ≈ 6k tokens: fits the cluster, not one server;
 - `chat-c4`: the same with 4 concurrent clients;
+- `shared-c8`, `chat-c8`: the same with 8 concurrent clients;
 - `chat-heavy`: 12 conversations active (≈ 9k tokens: three quarters of the cluster's
   cache), 36 in all, 8 concurrent clients.
 """
@@ -140,6 +141,10 @@ def workload(name: str, seed: int, scale: float) -> tuple[list[Item], int]:
         return chat_workload(int(30 * scale), 8, 6, 170, seed), 1
     if name == "chat-c4":
         return chat_workload(int(30 * scale), 8, 6, 170, seed), 4
+    if name == "shared-c8":
+        return shared_workload(9, 380, int(120 * scale), seed), 8
+    if name == "chat-c8":
+        return chat_workload(int(30 * scale), 8, 6, 170, seed), 8
     if name == "chat-heavy":
         return chat_workload(int(36 * scale), 12, 6, 170, seed), 8
     raise ValueError(f"unknown workload {name!r}")
@@ -308,9 +313,10 @@ STICKY_SATURATED: dict[str, Any] = {
         }
     ],
 }
-"""`servegate-sticky`: the default's scorers behind an affinity filter that keeps the
-replicas holding the prefix until one holds 3 more requests in flight than the least
-loaded (a candidate for placement under cache pressure, cache-routing.md)."""
+"""`servegate-sticky`: the default's scorers before 2026-12-02 behind an affinity filter
+that keeps the replicas holding the prefix until one holds 3 more requests in flight
+than the least loaded (the candidate that became the default, with `no-hit-lru-scorer`
+added; cache-routing.md)."""
 
 
 def servegate_config(target: str, urls: Sequence[str]) -> dict[str, Any]:
@@ -347,7 +353,10 @@ async def run_target(
             await reset_prefix_caches(session, urls)
             return await measure(session, name, target, items, lambda _: url, urls, concurrency)
     config = servegate_config(target, urls)
-    async with GatewayProcess(f"{name}-{target}", config, workdir, replicas=len(urls)) as gw:
+    tag = name.replace("/", "-")
+    async with GatewayProcess(
+        f"{tag}-{target}", config, workdir, replicas=len(urls), startup_timeout_s=180.0
+    ) as gw:
         await reset_prefix_caches(session, urls)
         return await measure(session, name, target, items, lambda _: gw.url, urls, concurrency)
 
@@ -383,9 +392,10 @@ async def run_all(
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         for name in workloads:
             items, concurrency = workload(name, seed, scale)
+            label = f"{name}/s{seed}"
             for target in targets:
                 result = await run_target(
-                    session, target, name, items, concurrency, urls, peers, workdir
+                    session, target, label, items, concurrency, urls, peers, workdir
                 )
                 if result is not None:
                     results.append(result)
@@ -398,7 +408,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--workloads", nargs="+", default=["shared", "chat"])
     parser.add_argument("--targets", nargs="+", default=list(TARGETS))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--blocks", type=int, default=128, help="KV blocks of 32 per server")
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--peers", type=Path, default=None, help="folder with the peer routers")
     args = parser.parse_args(argv)
@@ -406,21 +417,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     model = build_tiny_model()
     workdir = Path(tempfile.mkdtemp(prefix="servegate-peers-"))
-    cluster = VllmCluster(model, ClusterSettings(replicas=args.replicas), workdir / "vllm")
+    settings = ClusterSettings(replicas=args.replicas, num_blocks=args.blocks)
+    cluster = VllmCluster(model, settings, workdir / "vllm")
     started = time.perf_counter()
+    tables = []
     try:
         cluster.start()
         print(f"{args.replicas} vLLM servers healthy after {cluster.startup_s:.0f} s", flush=True)
-        results = asyncio.run(
-            run_all(
-                cluster.urls, args.workloads, args.targets, args.seed, args.scale, args.peers,
-                workdir,
-            )
-        )  # fmt: skip
+        for seed in args.seeds:
+            print(f"seed {seed}", flush=True)
+            results = asyncio.run(
+                run_all(
+                    cluster.urls, args.workloads, args.targets, seed, args.scale, args.peers,
+                    workdir,
+                )
+            )  # fmt: skip
+            tables.append((seed, table(results)))
     finally:
         cluster.stop()
-    print(f"\nseed {args.seed}, {time.perf_counter() - started:.0f} s in all; logs in {workdir}\n")
-    print(table(results))
+    print(f"\n{time.perf_counter() - started:.0f} s in all; {args.blocks} blocks per server; ")
+    print(f"logs in {workdir}")
+    for seed, text in tables:
+        print(f"\nseed {seed}\n\n{text}")
     return 0
 
 

@@ -34,9 +34,11 @@ def main(argv: list[str]) -> int:
     import matplotlib.pyplot as plt
 
     data = read(Path(argv[0]))
-    targets = ["round-robin", "vllm-router", "sglang-router", "servegate"]
+    order = ["round-robin", "vllm-router", "sglang-router", "servegate", "servegate-sticky"]
+    seen = {t for row in data.values() for t in row}
+    targets = [t for t in order if t in seen]
     workloads = [w for w in data if "oracle" in data[w]]
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig, ax = plt.subplots(figsize=(max(8, len(workloads) * 1.3), 3.6))
     width = 0.8 / len(targets)
     for i, target in enumerate(targets):
         values = [
@@ -50,7 +52,7 @@ def main(argv: list[str]) -> int:
                 ax.text(x, v + 0.01, f"{data[w][target][1]:.2f}", ha="center", fontsize=6)
         _ = bars
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    ax.set_xticks(range(len(workloads)), workloads)
+    ax.set_xticks(range(len(workloads)), workloads, fontsize=7)
     ax.set_ylabel("hit rate / oracle's")
     ax.set_ylim(0, 1.15)
     ax.set_title("3 real vLLM servers (CPU), nothing configured; labels: max/mean requests")

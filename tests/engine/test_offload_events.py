@@ -31,12 +31,12 @@ from typing import Any
 import pytest
 
 from servegate.datalayer.kvevents import KVEventsManager
-from servegate.datalayer.kvevents.events import BlockRemoved, BlockStored, EventBatch
 from servegate.pool.endpoint import Endpoint, EndpointState
 from servegate.pool.pool import Pool
+from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.framework import CycleState
+from servegate.scheduling.prefix.events import BlockRemoved, BlockStored, EventBatch
 from servegate.scheduling.prefix.precise import PreciseIndex, PrecisePrefixCacheScorer
-from servegate.scheduling.registry import PluginContext
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.testing.tinymodel import TinyModel
 

@@ -18,6 +18,12 @@ the oracle; the configured default ≥ round-robin + 25 points. What the default
 loses is where a group's first (cold) request lands: nothing is cached and the idle
 servers' load scores tie, so the picker's random tie-break decides, and a 5/3 or
 6/2 split of the 8 groups overfills one server (5 × 26 = 130 blocks > 127).
+
+Since 2026-12-02 the default places cold prefixes with `no-hit-lru-scorer` behind a
+sticky-until-saturated affinity filter (docs/cache-routing.md); these figures and
+`OF_ORACLE` were measured with the previous default and not re-measured with the new one
+(it measured 1.00 of the oracle on the three-server `shared` workload, benchmarks.md), so
+the bound is kept where the measurement supports it and where docs/cache-routing.md says.
 """
 
 from __future__ import annotations

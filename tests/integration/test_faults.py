@@ -201,3 +201,35 @@ async def test_chaos_slow_hang_kill_one_replica_under_load() -> None:
         assert results["ok"] > 0, (name, results)
     assert load.failed_before_streaming() == 0, load.results
     assert sum(load.results.values()) == load.results["ok"] + load.results["cut-mid-stream"]
+
+
+async def test_the_default_moves_a_sticky_prefix_off_a_replica_that_crashes(
+    session: aiohttp.ClientSession,
+) -> None:
+    """The default profile's affinity filter keeps a prefix on the replica holding it; when
+    that replica crashes (before health checks notice), the replicas the filter removed are
+    still fallbacks, so no request for that prefix fails (issue 16's failover check)."""
+    long_prompt = "a shared system prompt of some length " * 60
+    async with (
+        SimCluster(3, base=FAST_SIM) as cluster,
+        GatewayRunner(resilient_config(cluster.urls)) as gw,
+    ):
+        await wait_ready(gw, 3)
+        served: Counter[str] = Counter()
+        for i in range(6):
+            body = chat(f"{long_prompt} question {i}")
+            async with session.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                await resp.read()
+                assert resp.status == 200
+                served[resp.headers["x-gateway-destination-endpoint"]] += 1
+        assert len(served) == 1, served  # sticky: one replica holds the prefix
+        holder = next(iter(served))
+        cluster[cluster.addresses.index(holder)].fault("crash")
+        after: Counter[str] = Counter()
+        for i in range(6):
+            body = chat(f"{long_prompt} after the crash {i}")
+            async with session.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                await resp.read()
+                assert resp.status == 200, await resp.text()
+                after[resp.headers["x-gateway-destination-endpoint"]] += 1
+        assert holder not in after, after

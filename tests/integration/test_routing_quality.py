@@ -9,12 +9,17 @@ keeps them all cached.
 
 The gateway runs with only the endpoint URLs (what `servegate serve --endpoint …`
 gives): the default profile and `tokenizer: auto`, which here learns the
-simulator's `/tokenize`. Measured on this machine (2 runs, 2026-12-02, real vLLM
-running beside): round-robin 56.3 %, the zero-config default 83.2–84.0 % (max/mean
-≤ 1.25), the same default with the approximate scorer scoring zeros 58.2–58.7 %,
-with its `pre_request` recording nothing 54.8–55.2 %. Hence the bound: the default
-must beat round-robin by `MARGIN` (20) points, and the same check is shown to fail
-when the approximate scorer scores nothing or records nothing.
+simulator's `/tokenize`. The approximate index reaches the decision two ways in the
+default profile: through `prefix-cache-affinity-filter` (sticky until saturated) and
+through `prefix-cache-scorer`'s weight; either alone keeps this workload cached.
+Measured on this machine (2026-12-02, one run of `hit_rate` per variant at load
+average 14–25, real vLLM running beside): round-robin 55.8 %,
+the zero-config default 84.4 % (max/mean 1.17); broken: the approximate scorer
+scoring zeros 55.8 %, its `pre_request` recording nothing 58.0 %, the scheduler
+calling no `pre_request` hook 58.1 %, the prefix weight 0 and no affinity filter
+57.3 %; each route alone: prefix weight 0 with the filter 86.7 %, the filter gone
+with the weight 84.8 %. Hence the bound: the default must beat round-robin by
+`MARGIN` (20) points, and the same check is shown to fail for each breakage above.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 
+from servegate.scheduling.config import DEFAULT_PICKER_CONFIG
 from servegate.scheduling.prefix.approx import PrefixCacheScorer
+from servegate.scheduling.scheduler import Scheduler
 from servegate.simulator import tokenizer as sim_tokenizer
 from servegate.testing.cluster import SimCluster
 from servegate.testing.gateway import GatewayRunner
@@ -115,15 +123,38 @@ async def test_the_zero_config_default_beats_round_robin(round_robin: float) -> 
     assert max(per_replica) / (REQUESTS / REPLICAS) <= 1.5, per_replica
 
 
-@pytest.mark.parametrize("broken", ["score-zeros", "no-pre-request"])
+def without_prefix_routes() -> dict[str, Any]:
+    """The default profile with the prefix scorer's weight 0 and no affinity filter."""
+    doc = yaml.safe_load(DEFAULT_PICKER_CONFIG)
+    doc["plugins"] = [p for p in doc["plugins"] if p["type"] != "prefix-cache-affinity-filter"]
+    refs = []
+    for ref in doc["schedulingProfiles"][0]["plugins"]:
+        if ref["pluginRef"] == "prefix-cache-affinity-filter":
+            continue
+        if ref["pluginRef"] == "prefix-cache-scorer":
+            ref = {**ref, "weight": 0}
+        refs.append(ref)
+    doc["schedulingProfiles"][0]["plugins"] = refs
+    assert isinstance(doc, dict)
+    return doc
+
+
+@pytest.mark.parametrize(
+    "broken", ["score-zeros", "no-pre-request", "scheduler-skips-pre-request", "no-prefix-route"]
+)
 async def test_the_bound_fails_when_the_approximate_scorer_breaks(
     round_robin: float, broken: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    picker: dict[str, Any] | None = None
     if broken == "score-zeros":
         monkeypatch.setattr(
             PrefixCacheScorer, "score", lambda self, cycle, request, eps: [0.0] * len(eps)
         )
-    else:
+    elif broken == "no-pre-request":
         monkeypatch.setattr(PrefixCacheScorer, "pre_request", lambda self, *a: None)
-    rate, per_replica = await hit_rate(None)
+    elif broken == "scheduler-skips-pre-request":
+        monkeypatch.setattr(Scheduler, "pre_request", lambda self, *a: None)
+    else:
+        picker = without_prefix_routes()
+    rate, per_replica = await hit_rate(picker)
     assert rate < round_robin + MARGIN, (rate, round_robin, per_replica)

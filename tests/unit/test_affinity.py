@@ -318,3 +318,52 @@ def test_the_affinity_filter_alone_keeps_its_own_prefix_index() -> None:
     assert isinstance(flt, PrefixCacheAffinityFilter) and flt.prefix is not None
     assert any("its own approximate prefix index" in w for w in flt.startup_warnings())
     assert flt in scheduler._hooks_pre  # it learns what was routed where
+
+
+# -- the default profile: sticky until saturated, every replica still a fallback -----------
+
+
+def _default_scheduler() -> Any:
+    from servegate.scheduling.config import DEFAULT_PICKER_CONFIG
+    from servegate.scheduling.prefix.approx import PrefixCacheScorer
+
+    scheduler = load_picker_config(DEFAULT_PICKER_CONFIG, PluginContext())
+    approx = scheduler.plugins["prefix-cache-scorer"]
+    assert isinstance(approx, PrefixCacheScorer)
+    return scheduler, approx
+
+
+def test_the_default_keeps_a_held_prefix_on_its_replica_and_the_rest_as_fallbacks() -> None:
+    """The affinity filter narrows the choice to the holder, but a dead holder must still have
+    somewhere to retry: the replicas it removed follow as last-resort fallbacks."""
+    scheduler, approx = _default_scheduler()
+    states = eps((0, 0), (0, 0), (0, 0))
+    request = LLMRequest("r", RequestKind.COMPLETION, "m", "m", "m", prompt="p " * 400)
+    approx.index.insert("e1:1", approx.block_keys(request))
+    for seed in range(5):
+        decision = scheduler.schedule(request, states, cycle(seed))
+        assert decision.endpoint.address == "e1:1"
+        assert sorted(s.address for s in decision.fallbacks) == ["e0:1", "e2:1"]
+    # saturated: 4 more in flight on the holder than elsewhere opens the filter, and the
+    # scorers weigh the others against it
+    states[1].in_flight_requests = 4
+    decision = scheduler.schedule(request, states, cycle())
+    assert set(decision.results["default"].totals) == {"e0:1", "e1:1", "e2:1"}
+    assert scheduler.plugins["prefix-cache-affinity-filter"].decisions == {
+        "sticky": 5,
+        "request-load-override": 1,
+    }
+
+
+def test_the_default_spreads_new_prefixes_over_idle_replicas() -> None:
+    """Cold prompts (held nowhere) go to the replica least recently given one, not to a
+    random one among tied idle replicas: 9 new prefixes on 3 idle replicas land 3/3/3."""
+    scheduler, _ = _default_scheduler()
+    states = eps((0, 0), (0, 0), (0, 0))
+    placed: dict[str, int] = {}
+    for g in range(9):
+        request = LLMRequest(f"r{g}", RequestKind.COMPLETION, "m", "m", "m", prompt=f"{g} " * 400)
+        decision = scheduler.schedule(request, states, cycle(g))
+        scheduler.pre_request(request, decision, 10.0)
+        placed[decision.endpoint.address] = placed.get(decision.endpoint.address, 0) + 1
+    assert placed == {"e0:1": 3, "e1:1": 3, "e2:1": 3}

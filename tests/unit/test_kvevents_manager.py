@@ -176,6 +176,35 @@ async def test_auto_subscribes_replicas_alone_on_their_host_and_follows_the_pool
         await manager.stop()
 
 
+async def test_auto_asks_llm_ds_replay_port_and_may_give_it_up() -> None:
+    """Nothing configured: the replay socket is llm-d's `tcp://<host>:5558`, a guess that a
+    replica may not run (`replay_optional`); one named on the endpoint is always asked."""
+    from servegate.datalayer.kvevents.settings import KVEventsSettings, kv_events_settings
+
+    chosen = kv_events_settings({}, KVEventsSettings())
+    settings = chosen.settings
+    assert (settings.port, settings.replay_port, chosen.auto) == (5557, 5558, True)
+    assert chosen.replay_optional
+    pinned = kv_events_settings({}, KVEventsSettings(replay_port=7000))
+    assert pinned.settings.replay_port == 7000 and not pinned.replay_optional
+    pool = Pool()
+    pool.add(endpoint("127.0.0.2:8000"))
+    pool.add(endpoint("127.0.0.3:8000", kv_events_replay="tcp://127.0.0.3:6000"))
+    manager = KVEventsManager(
+        pool, [Index()], settings, auto=chosen.auto, replay_optional=chosen.replay_optional
+    )
+    await manager.start()
+    try:
+        subs = manager.subscribers
+        assert subs["127.0.0.2:8000"].replay_endpoint == "tcp://127.0.0.2:5558"
+        assert subs["127.0.0.2:8000"].replay_optional
+        assert subs["127.0.0.3:8000"].replay_endpoint == "tcp://127.0.0.3:6000"
+        assert not subs["127.0.0.3:8000"].replay_optional
+        assert manager.status()["127.0.0.2:8000"]["replay"] == "tcp://127.0.0.2:5558"
+    finally:
+        await manager.stop()
+
+
 def test_auto_drops_batches_whose_topic_names_another_replica() -> None:
     from servegate.datalayer.kvevents.manager import _EndpointSink
     from servegate.datalayer.kvevents.transport import SubscriberStats

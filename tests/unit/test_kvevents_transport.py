@@ -283,3 +283,40 @@ async def test_a_bad_endpoint_ends_the_task_without_raising(context: zmq.asyncio
     sub = KVEventSubscriber(context, "nonsense://x", Sink())
     await asyncio.wait_for(sub.run(), 2.0)
     assert not sub.ready.is_set()
+
+
+@pytest.mark.parametrize("optional", [True, False], ids=["guessed-replay", "configured-replay"])
+async def test_a_guessed_replay_socket_that_is_missing_is_asked_once(
+    context: zmq.asyncio.Context, optional: bool
+) -> None:
+    """Nothing configured, llm-d's replay port is a guess: when nobody answers there, the
+    first gap costs one timeout and later gaps none; a configured one is always asked."""
+    with tempfile.TemporaryDirectory() as tmp:
+        pub = context.socket(zmq.PUB)
+        pub.bind(f"ipc://{tmp}/pub")
+        sink = Sink()
+        sub = KVEventSubscriber(
+            context,
+            f"ipc://{tmp}/pub",
+            sink,
+            replay_endpoint=f"ipc://{tmp}/no-replay",
+            replay_timeout_s=0.05,
+            replay_optional=optional,
+        )
+        task = asyncio.create_task(sub.run())
+        try:
+            await sub.ready.wait()
+            while not sink.batches:  # slow joiner; the first batch (seq 0) needs no replay
+                await pub.send_multipart(frames(0))
+                await asyncio.sleep(0.01)
+            for seq in (3, 6, 9):  # three gaps
+                await pub.send_multipart(frames(seq))
+                await wait_until(lambda s=seq: sink.timestamps()[-1:] == [float(s)])
+            assert sub.stats.gaps == 3 and sub.stats.missed_batches == 6
+            assert sub.stats.replays == (1 if optional else 3)
+            assert sub.stats.replay_failures == (1 if optional else 3)
+            assert (sub.replay_endpoint is None) is optional
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            pub.close(linger=0)

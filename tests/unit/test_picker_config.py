@@ -55,7 +55,7 @@ def test_default_picker_config() -> None:
     scheduler = load(DEFAULT_PICKER_CONFIG)
     assert summary(scheduler) == {
         "default": (
-            [],
+            ["prefix-cache-affinity-filter"],
             [
                 ("precise-prefix-cache-scorer", 1.0),
                 ("prefix-cache-scorer", 3.0),
@@ -63,6 +63,7 @@ def test_default_picker_config() -> None:
                 ("kv-cache-utilization-scorer", 2.0),
                 ("active-request-scorer", 2.0),
                 ("lora-affinity-scorer", 1.0),
+                ("no-hit-lru-scorer", 1.0),
             ],
             "max-score-picker",
         )
@@ -180,8 +181,9 @@ def test_mapping_input_and_custom_registry() -> None:
 def test_parse_gives_the_typed_document() -> None:
     config = parse_picker_config(DEFAULT_PICKER_CONFIG)
     assert config.api_version == "llm-d.ai/v1alpha1"
-    assert config.plugins[0].type == "precise-prefix-cache-scorer"
-    assert config.scheduling_profiles[0].plugins[2].weight == 2
+    assert config.plugins[0].type == "prefix-cache-affinity-filter"
+    assert config.plugins[1].type == "precise-prefix-cache-scorer"
+    assert config.scheduling_profiles[0].plugins[3].weight == 2
 
 
 PROFILE = """schedulingProfiles:

@@ -427,7 +427,9 @@ def test_bad_durations(text: str) -> None:
         pytest.param(
             KVEventsSettings(),
             {},
-            ChosenKVEvents(KVEventsSettings(port=5557), auto=True),
+            ChosenKVEvents(
+                KVEventsSettings(port=5557, replay_port=5558), auto=True, replay_optional=True
+            ),
             id="nothing-configured-llm-d-convention",
         ),
     ],

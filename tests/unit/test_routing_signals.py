@@ -147,6 +147,8 @@ def test_a_publisher_sending_garbage_is_said_once(caplog: pytest.LogCaptureFixtu
     assert manager is not None
 
     class Stub:
+        replay_endpoint = None
+
         def __init__(self, stats: SubscriberStats) -> None:
             self.stats = stats
 

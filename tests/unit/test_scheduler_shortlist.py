@@ -44,8 +44,24 @@ def _request(i: int) -> LLMRequest:
     )
 
 
-def _default(seed: int) -> tuple[Scheduler, list[EndpointState], PrefixCacheScorer]:
-    scheduler = load_picker_config(DEFAULT_PICKER_CONFIG, PluginContext(staleness_s=2.0))
+FILTER_LINES = (
+    "- type: prefix-cache-affinity-filter\n"
+    "  parameters: {maxInFlightRequestsDelta: 3, prefixMatchInfoProducerName: prefix-cache-scorer}\n",
+    "  - {pluginRef: prefix-cache-affinity-filter}\n",
+)
+"""The default profile's affinity filter: it narrows a held prefix to its holders before
+any scorer runs, so the shortlist is checked with the default's scorers alone too."""
+
+
+def _default(
+    seed: int, filtered: bool = True
+) -> tuple[Scheduler, list[EndpointState], PrefixCacheScorer]:
+    config = DEFAULT_PICKER_CONFIG
+    if not filtered:
+        for line in FILTER_LINES:
+            assert line in config
+            config = config.replace(line, "")
+    scheduler = load_picker_config(config, PluginContext(staleness_s=2.0))
     states = random_endpoint_states(POOL, random.Random(seed))
     scorer = scheduler.plugins["prefix-cache-scorer"]
     assert isinstance(scorer, PrefixCacheScorer)
@@ -69,9 +85,10 @@ def _held(scorer: PrefixCacheScorer, request: LLMRequest, state: EndpointState) 
     return scorer.index.match_lengths(keys, [state.address])[state.address]
 
 
+@pytest.mark.parametrize("filtered", [True, False], ids=["default", "default-scorers"])
 @pytest.mark.parametrize("seed", range(12))
-def test_the_cache_decision_matches_exhaustive_scoring(seed: int) -> None:
-    scheduler, states, scorer = _default(seed)
+def test_the_cache_decision_matches_exhaustive_scoring(seed: int, filtered: bool) -> None:
+    scheduler, states, scorer = _default(seed, filtered)
     rng = random.Random(seed)
     request = _request(seed)
     keys = scorer.block_keys(request)
@@ -82,7 +99,8 @@ def test_the_cache_decision_matches_exhaustive_scoring(seed: int) -> None:
         scorer.index.insert(state.address, keys[: rng.randrange(1, len(keys))])
     short = _decide(scheduler, request, states, exhaustive=False)
     full = _decide(scheduler, request, states, exhaustive=True)
-    assert scheduler.stats.shortlisted == 1
+    if not filtered:
+        assert scheduler.stats.shortlisted == 1
     assert _held(scorer, request, short.endpoint) == _held(scorer, request, full.endpoint)
     assert _held(scorer, request, short.endpoint) > 0
 

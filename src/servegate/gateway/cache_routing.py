@@ -76,7 +76,11 @@ def build_cache_routing(
     if indexes:
         chosen = kv_events_settings(scheduler.plugins, pool_cfg.kv_events)
         manager = KVEventsManager(
-            pool, [*indexes.values(), janitor], chosen.settings, auto=chosen.auto
+            pool,
+            [*indexes.values(), janitor],
+            chosen.settings,
+            auto=chosen.auto,
+            replay_optional=chosen.replay_optional,
         )
         registry.register(KVEventsCollector(manager.stats, indexes))
     headers = tuple(p for p in scheduler.plugins.values() if isinstance(p, ResponseHeaders))

@@ -96,6 +96,8 @@ class PrefixCacheAffinityFilter:
     """`prefix-cache-affinity-filter`: sticky replicas only, unless they are too slow."""
 
     type: ClassVar[str] = "prefix-cache-affinity-filter"
+    keeps_fallbacks: ClassVar[bool] = True
+    """A preference: the replicas it removes stay last-resort fallbacks (`KEEPS_FALLBACKS`)."""
 
     def __init__(
         self, name: str, params: AffinityFilterParameters, routing: RoutingState | None = None

@@ -56,42 +56,55 @@ DEFAULT_PICKER_CONFIG = """\
 apiVersion: llm-d.ai/v1alpha1
 kind: EndpointPickerConfig
 plugins:
+- type: prefix-cache-affinity-filter
+  parameters: {maxInFlightRequestsDelta: 3, prefixMatchInfoProducerName: prefix-cache-scorer}
 - type: precise-prefix-cache-scorer
 - type: prefix-cache-scorer
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
 - type: active-request-scorer
 - type: lora-affinity-scorer
+- type: no-hit-lru-scorer
+  parameters: {prefixPluginName: prefix-cache-scorer}
 - type: max-score-picker
 schedulingProfiles:
 - name: default
   plugins:
+  - {pluginRef: prefix-cache-affinity-filter}
   - {pluginRef: precise-prefix-cache-scorer, weight: 1}
   - {pluginRef: prefix-cache-scorer, weight: 3}
   - {pluginRef: queue-scorer, weight: 2}
   - {pluginRef: kv-cache-utilization-scorer, weight: 2}
   - {pluginRef: active-request-scorer, weight: 2}
   - {pluginRef: lora-affinity-scorer, weight: 1}
+  - {pluginRef: no-hit-lru-scorer, weight: 1}
   - {pluginRef: max-score-picker}
 """
 """The picker config used when none is given, chosen by measurement
-(`bench/bench_cache_routing.py`; the candidates and their numbers are in
-docs/cache-routing.md).
+(`bench/bench_chat_pressure.py` on simulated replicas, `bench/bench_real_peers.py` on
+real vLLM; the candidates and their numbers are in docs/cache-routing.md).
 
-Prefix affinity (weight 4 in all) against load (weight 6). The approximate
-prefix scorer needs nothing configured: it remembers what was routed where
-(token blocks when a tokenizer is configured, character blocks otherwise). The
-precise one adds the replicas' own KV events when they are configured and
-contributes nothing otherwise. Load is queue length and KV usage from the
-replicas' metrics (global, one scrape old) and this router's in-flight counts
-(exact, local), equally weighted, so a burst between two scrapes is spread.
-Because the load scorers can outvote a full prefix match (6 > 4), a popular
-prefix spreads to more replicas when its replica is the busiest on every load
-signal, instead of pinning one replica at saturation; with the load roughly
-even, the prefix match decides. No filter: every replica stays a fallback.
-`lora-affinity-scorer` (weight 1) only speaks for requests that name an adapter
-(it scores every replica 1.0 for the base model): a replica already running the
-adapter, then one with a free adapter slot.
+Sticky until saturated, llm-d's shape with the scorers servegate measured best:
+
+- `prefix-cache-affinity-filter` keeps only the replicas the approximate index says
+  hold at least 80 % of the prompt, until the least loaded of them has 3 more
+  requests in flight than the least loaded other replica; then those join too. The
+  replicas it removes stay in the decision as last-resort fallbacks
+  (`framework.KEEPS_FALLBACKS`), so a sticky replica that dies mid-request still has
+  somewhere to retry.
+- Among the survivors: prefix affinity (the approximate index 3, the precise one 1:
+  KV events when a replica publishes them, nothing otherwise) against load (queue
+  length and KV usage from the replicas' metrics, one scrape old, and this router's
+  in-flight counts, exact: 2 each).
+- `no-hit-lru-scorer` (1) places a prompt that matches nothing anywhere (a new
+  prefix or conversation) on the replica least recently given one, instead of the
+  random tie-break between idle replicas, which could pile several new prefixes onto
+  one replica and overfill its cache. For prompts with a match it scores everyone
+  0.5 (no preference). Weight 1: it breaks ties between equally loaded replicas and
+  never outvotes the LoRA scorer for an adapter request.
+- `lora-affinity-scorer` (1) only speaks for requests that name an adapter (it scores
+  every replica 1.0 for the base model): a replica already running the adapter, then
+  one with a free adapter slot.
 """
 
 KNOWN_UNIMPLEMENTED: dict[str, str] = {

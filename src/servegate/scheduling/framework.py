@@ -50,6 +50,13 @@ IDENTITY_ONLY = "identity_only"
 while it is handed the same candidate list (`Pool.candidates` shares one list per
 pool state), so a steady large pool is not re-filtered per request."""
 
+KEEPS_FALLBACKS = "keeps_fallbacks"
+"""A filter class attribute: `True` when it states a preference, not a requirement
+(`prefix-cache-affinity-filter`: the replicas holding the prefix). The endpoints it
+removes stay in the decision as last-resort fallbacks, after the ranked ones, so a
+sticky replica that dies mid-request still has somewhere to retry. Only when no
+other filter runs after it (a later filter's verdict is not known for them)."""
+
 
 @runtime_checkable
 class Scorer(Plugin, Protocol):

@@ -32,6 +32,7 @@ from typing import Any
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.framework import (
     IDENTITY_ONLY,
+    KEEPS_FALLBACKS,
     CycleState,
     Decision,
     NoCandidates,
@@ -352,8 +353,11 @@ class Scheduler:
         endpoints = candidates
         memo = self._filter_memo
         remembered: list[EndpointState] | None = None
+        spare: list[EndpointState] = []
+        """Endpoints a preference filter (`KEEPS_FALLBACKS`) removed: last-resort fallbacks."""
         t0 = perf_counter_ns()
         for flt in profile.filters:
+            before = endpoints
             if getattr(flt, IDENTITY_ONLY, False):
                 seen = memo.get(id(flt))
                 if seen is not None and seen[0] is endpoints and seen[1] == len(endpoints):
@@ -365,6 +369,12 @@ class Scheduler:
                 remembered = endpoints
             else:
                 endpoints = flt.filter(cycle, request, endpoints)
+            if getattr(flt, KEEPS_FALLBACKS, False):
+                if len(endpoints) < len(before):
+                    kept = {s.address for s in endpoints}
+                    spare = [*spare, *(s for s in before if s.address not in kept)]
+            else:
+                spare = []
             t1 = perf_counter_ns()
             timings[(FILTER, flt.name)].add(t1 - t0)
             t0 = t1
@@ -407,6 +417,8 @@ class Scheduler:
         timings[(PICKER, picker.name)].add(perf_counter_ns() - t0)
         if not ranked:
             return None
+        if spare:
+            ranked = [*ranked, *spare]
         return ProfileResult(
             ranked=ranked,
             scores=ScoreTable(endpoints, names, weights, raws),

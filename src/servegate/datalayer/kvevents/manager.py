@@ -10,7 +10,9 @@ Nothing configured (`auto`): llm-d's convention, `tcp://<replica host>:5557`, fo
 every replica that is the only pool member on its host (several replicas on one
 host cannot all publish on one port, so they need their own `kv_events`). A
 missing publisher costs one idle SUB socket that ZeroMQ keeps reconnecting; a
-batch whose topic names another replica (`kv@<host:port>@…`) is dropped.
+batch whose topic names another replica (`kv@<host:port>@…`) is dropped. The replay
+socket is llm-d's `tcp://<replica host>:5558`; when it does not answer the first
+replay (on the first batch, or a gap) it is not asked again for that replica.
 
 Batches go to every `BlockIndex` (one per precise prefix scorer). A replica
 removed from the pool loses its subscriber and its blocks.
@@ -183,6 +185,7 @@ class KVEventsManager:
         settings: KVEventsSettings | None = None,
         *,
         auto: bool = False,
+        replay_optional: bool = False,
     ) -> None:
         self.pool = pool
         self.indexes = list(indexes)
@@ -190,6 +193,9 @@ class KVEventsManager:
         self.auto = auto
         """Nothing configured: `settings.port` is llm-d's convention, used for replicas alone
         on their host, and a topic that names another replica is dropped."""
+        self.replay_optional = replay_optional
+        """The replay port is a guess (llm-d's 5558, nothing configured): a replica whose
+        replay socket does not answer once is not asked again."""
         self.subscribers: dict[str, KVEventSubscriber] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stopping: set[asyncio.Task[None]] = set()
@@ -250,6 +256,11 @@ class KVEventsManager:
             out[state.address] = {
                 "kv_events": url,
                 "auto": self.auto and state.endpoint.kv_events is None,
+                "replay": (
+                    sub.replay_endpoint
+                    if sub is not None
+                    else (resolved[1] if resolved is not None else None)
+                ),
                 "receiving": bool(stats is not None and stats.batches > 0),
                 "batches": 0 if stats is None else stats.batches,
                 "dropped": 0 if stats is None else sum(stats.dropped.values()),
@@ -380,6 +391,7 @@ class KVEventsManager:
             bind=bound,
             curve=keys,
             admit=self._origins.for_replica(endpoint) if bound else None,
+            replay_optional=self.replay_optional and endpoint.kv_events_replay is None,
         )
         self._launch(endpoint.address, subscriber)
 

@@ -18,6 +18,9 @@ from servegate.scheduling.framework import Plugin
 from servegate.scheduling.prefix.precise import precise_owners
 
 AUTO_PORT = 5557
+AUTO_REPLAY_PORT = 5558
+"""llm-d's convention for the publisher's replay ROUTER socket (vLLM's `replay_endpoint`
+`tcp://*:5558`), asked in auto mode when the pool names no replay port."""
 
 
 class KVEventsSettings(BaseModel):
@@ -61,6 +64,8 @@ class ChosenKVEvents(NamedTuple):
 
     settings: KVEventsSettings
     auto: bool
+    replay_optional: bool = False
+    """The replay port is llm-d's guess, not configured: asked once, then given up."""
 
 
 def kv_events_settings(plugins: Mapping[str, Plugin], pool: KVEventsSettings) -> ChosenKVEvents:
@@ -85,6 +90,11 @@ def kv_events_settings(plugins: Mapping[str, Plugin], pool: KVEventsSettings) ->
             }
         )
         return ChosenKVEvents(chosen, auto=False)
+    replay = AUTO_REPLAY_PORT if pool.replay_port is None else pool.replay_port
     return ChosenKVEvents(
-        pool.model_copy(update={"port": AUTO_PORT, "allow_unauthenticated_bind": False}), auto=True
+        pool.model_copy(
+            update={"port": AUTO_PORT, "replay_port": replay, "allow_unauthenticated_bind": False}
+        ),
+        auto=True,
+        replay_optional=pool.replay_port is None,
     )

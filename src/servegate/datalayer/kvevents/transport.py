@@ -242,10 +242,13 @@ class KVEventSubscriber:
         bind: bool | None = None,
         curve: CurveKeys | None = None,
         admit: Admit | None = None,
+        replay_optional: bool = False,
     ) -> None:
         """`bind`: None = vLLM's rule (`binds`); `curve`: a bound socket is a CURVE server
         that admits only `curve.authorized` publisher keys, a connected one a CURVE client of
-        `curve.server`; `admit`: checked per message before anything else."""
+        `curve.server`; `admit`: checked per message before anything else;
+        `replay_optional`: the replay socket is a guess (nothing configured), so the first
+        replay that fails turns replay off for this subscriber, said once."""
         self.context = context
         self.endpoint = endpoint
         self.bind = binds(endpoint) if bind is None else bind
@@ -254,6 +257,7 @@ class KVEventSubscriber:
         self.replay_endpoint = replay_endpoint
         self.topic_filter = topic_filter
         self.replay_timeout_s = replay_timeout_s
+        self.replay_optional = replay_optional
         self.name = name or endpoint
         self.stats = stats or SubscriberStats()
         self.stream = KVEventStream(sink, self.stats, can_replay=replay_endpoint is not None)
@@ -311,11 +315,23 @@ class KVEventSubscriber:
                     self.stats.replays += 1
                     replayed = await self.replay(gap.first_missing)
                     self.stream.finish_gap(gap, replayed)
+                    if replayed is None and self.replay_optional:
+                        self._drop_replay()
         finally:
             sock.close(linger=0)
             if domain is not None:
                 ZapRegistry.release(domain)
                 self.zap_domain = None
+
+    def _drop_replay(self) -> None:
+        log.info(
+            "KV events from %s: no replay socket answers at %s (llm-d's default port); "
+            "batches lost to a gap are counted as missed",
+            self.name,
+            self.replay_endpoint,
+        )
+        self.replay_endpoint = None
+        self.stream.can_replay = False
 
     async def replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """Batches from `start` on, from the replay socket; None when it fails or times out."""
