@@ -82,24 +82,39 @@ class PredictionSource:
 
     def predictions(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
-    ) -> list[Prediction]:
+    ) -> list[tuple[float, float]]:
+        """Each endpoint's predicted (TTFT, TPOT) in ms, memoised per request."""
         memo = request.cache.get(PREDICTIONS_KEY)
         if memo is None:
             memo = request.cache[PREDICTIONS_KEY] = {}
         missing = [s for s in endpoints if s.endpoint.address not in memo]
         if missing:
-            match = [0.0] * len(missing)
-            for scorer in self.prefix:
-                for i, x in enumerate(scorer.score(cycle, request, missing)):
-                    if x > match[i]:
-                        match[i] = x
-            predict = self.predictor.predict
+            match = self.matches(cycle, request, missing)
+            estimate = self.predictor.estimate
             tokens = request.prompt_tokens
             lora = request.lora
             now = cycle.now
             for state, m in zip(missing, match, strict=True):
-                memo[state.endpoint.address] = predict(state, tokens, m, lora, now)
+                memo[state.endpoint.address] = estimate(state, tokens, m, lora, now)
         return [memo[s.endpoint.address] for s in endpoints]
+
+    def matches(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> list[float]:
+        """The best prefix match any declared prefix scorer gives each endpoint."""
+        match = [0.0] * len(endpoints)
+        for scorer in self.prefix:
+            for i, x in enumerate(scorer.score(cycle, request, endpoints)):
+                if x > match[i]:
+                    match[i] = x
+        return match
+
+    def prediction(
+        self, cycle: CycleState, request: LLMRequest, state: EndpointState
+    ) -> Prediction:
+        """The chosen endpoint's prediction with its features (for dispatch and learning)."""
+        match = self.matches(cycle, request, [state])[0]
+        return self.predictor.predict(state, request.prompt_tokens, match, request.lora, cycle.now)
 
     def headrooms(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
@@ -114,10 +129,10 @@ class PredictionSource:
         spent = elapsed_ms(cycle, request)
         buf = self.buffer
         ttft_slo = slo.ttft_ms or 0.0
-        ttft = [ttft_slo - (spent + p.ttft_ms * buf) for p in preds]
+        ttft = [ttft_slo - (spent + p[0] * buf) for p in preds]
         if self.streaming:
             tpot_slo = slo.tpot_ms or 0.0
-            tpot = [tpot_slo - p.tpot_ms * buf for p in preds]
+            tpot = [tpot_slo - p[1] * buf for p in preds]
         else:
             tpot = [0.0] * len(preds)
         return slo, ttft, tpot
