@@ -181,7 +181,7 @@ class Disaggregator:
     ) -> web.StreamResponse:
         if decision.pd_decision is not None:
             record.pd_decision = decision.pd_decision
-            self._metrics.disagg_decisions.labels(llm.target_model, decision.pd_decision).inc()
+            self._metrics.pd_decision(llm.target_model, decision.pd_decision)
         prefill = decision.prefill
         if prefill is not None and TRITON_ENGINE in (
             prefill.endpoint.engine,
