@@ -87,7 +87,9 @@ class PredictionSource:
         memo = request.cache.get(PREDICTIONS_KEY)
         if memo is None:
             memo = request.cache[PREDICTIONS_KEY] = {}
-        missing = [s for s in endpoints if s.endpoint.address not in memo]
+            missing = endpoints
+        else:
+            missing = [s for s in endpoints if s.endpoint.address not in memo]
         if missing:
             match = self.matches(cycle, request, missing)
             estimate = self.predictor.estimate
@@ -142,6 +144,18 @@ class PredictionSource:
         if slo.ttft_ms is not None and ttft_headroom < 0.0:
             return False
         return not (slo.tpot_ms is not None and self.streaming and tpot_headroom < 0.0)
+
+    def meeting(self, slo: Slo, ttft: list[float], tpot: list[float]) -> list[bool]:
+        """`meets` for every endpoint at once (the filter's and the scorer's hot loop)."""
+        check_ttft = slo.ttft_ms is not None
+        check_tpot = slo.tpot_ms is not None and self.streaming
+        if check_ttft and check_tpot:
+            return [a >= 0.0 and b >= 0.0 for a, b in zip(ttft, tpot, strict=True)]
+        if check_ttft:
+            return [a >= 0.0 for a in ttft]
+        if check_tpot:
+            return [b >= 0.0 for b in tpot]
+        return [True] * len(ttft)
 
 
 def _predictor(ctx: PluginContext) -> LatencyPredictor:
@@ -332,7 +346,7 @@ class LatencyScorer(_SourceUser):
             return []
         source = self.source
         slo, ttft, tpot = source.headrooms(cycle, request, endpoints)
-        meets = [source.meets(slo, a, b) for a, b in zip(ttft, tpot, strict=True)]
+        meets = source.meeting(slo, ttft, tpot)
         members = [i for i in range(n) if meets[i]] if slo.any else []
         positive = bool(members)
         if not positive:
@@ -421,8 +435,8 @@ class SloHeadroomTierFilter(_SourceUser):
         slo, ttft, tpot = source.headrooms(cycle, request, endpoints)
         positive: list[EndpointState] = []
         negative: list[EndpointState] = []
-        for state, a, b in zip(endpoints, ttft, tpot, strict=True):
-            (positive if source.meets(slo, a, b) else negative).append(state)
+        for state, ok in zip(endpoints, source.meeting(slo, ttft, tpot), strict=True):
+            (positive if ok else negative).append(state)
         if positive and negative:
             return negative if cycle.rng.random() < self.epsilon else positive
         return positive or negative
@@ -488,8 +502,8 @@ class LatencySloAdmitter(_SourceUser):
         if any(s.metrics.kv_usage < COLD_KV_USAGE for s in endpoints):
             return Verdict(True, "an endpoint is cold")
         source = self.source
-        _, ttft, tpot = source.headrooms(cycle, request, endpoints)
-        if any(source.meets(slo, a, b) for a, b in zip(ttft, tpot, strict=True)):
+        slo, ttft, tpot = source.headrooms(cycle, request, endpoints)
+        if any(source.meeting(slo, ttft, tpot)):
             return Verdict(True, "an endpoint meets the SLO")
         return Verdict(False, "no endpoint is predicted to meet the request's latency SLO")
 
