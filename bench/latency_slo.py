@@ -53,7 +53,7 @@ from servegate.bench.client import RequestResult, send_request
 from servegate.bench.stats import percentile
 from servegate.bench.text import words
 from servegate.bench.workloads import BenchRequest
-from servegate.scheduling.latency.predictor import LatencyPredictor
+from servegate.scheduling.latency.predictor import MIN_LEARNED_MS, LatencyPredictor
 from servegate.testing.cluster import SimClusterProcess
 from servegate.testing.gateway import GatewayRunner
 
@@ -295,7 +295,7 @@ def mape(access: list[dict[str, Any]]) -> tuple[float | None, float | None, floa
         if ttft is not None and ttft - disp > 0:
             ttft_err.append(abs(pred - ttft) / (ttft - disp))
         tpot, ptpot = line.get("tpot_ms"), line.get("predicted_tpot_ms")
-        if tpot and ptpot is not None:
+        if tpot and tpot >= MIN_LEARNED_MS and ptpot is not None:  # not a burst (see predictor)
             tpot_err.append(abs(ptpot - tpot) / tpot)
 
     def avg(xs: list[float]) -> float | None:

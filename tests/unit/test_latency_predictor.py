@@ -169,3 +169,18 @@ def test_the_hot_path_estimate_equals_the_full_prediction() -> None:
                 rng.choice((None, "a", "b")), 300.0 + rng.random() * 5)  # fmt: skip
         full = predictor.predict(*args)
         assert predictor.estimate(*args) == pytest.approx((full.ttft_ms, full.tpot_ms))
+
+
+def test_a_stream_relayed_in_one_burst_teaches_nothing() -> None:
+    predictor = LatencyPredictor()
+    for _ in range(50):
+        p = predictor.predict(state("a:1", in_flight=2), 500, 0.0, None, now=0.0)
+        key = predictor.dispatched("a:1", p, now=0.0)
+        predictor.completed("a:1", key, p, 200.0, 40.0)
+    p = predictor.predict(state("a:1", in_flight=2), 500, 0.0, None, now=0.0)
+    key = predictor.dispatched("a:1", p, now=0.0)
+    predictor.completed("a:1", key, p, 200.0, 0.004)  # every token arrived at once
+    model = predictor.endpoints["a:1"]
+    assert model.tpot_error.observations == 50
+    after = predictor.predict(state("a:1", in_flight=2), 500, 0.0, None, now=0.0)
+    assert after.tpot_ms == pytest.approx(40.0, rel=0.05)

@@ -72,6 +72,10 @@ MIN_MS = 0.1
 """Predictions are never below this (a linear fit can go negative far from its data)."""
 ERROR_DECAY = 0.98
 """Weight of the past in the running mean absolute percentage error (≈ the last 50)."""
+MIN_LEARNED_MS = 0.5
+"""A TTFT or TPOT below this is not the engine's pace but a stream relayed in one burst
+(its tokens buffered somewhere): not learned, not counted in the error. Observations
+are weighted 1/y², so one such near-zero value would otherwise outweigh everything."""
 RATE_WINDOW_S = 10.0
 """Time constant of the recent-prompt-tokens rate (the TPOT feature)."""
 
@@ -351,7 +355,7 @@ class LatencyPredictor:
         model = self.model(address)
         model.pending.pop(key, None)
         f = prediction.features
-        if ttft_ms is not None and ttft_ms > 0.0:
+        if ttft_ms is not None and ttft_ms >= MIN_LEARNED_MS:
             model.ttft_error.add(prediction.ttft_ms, ttft_ms)
             x = f.ttft
             if uncached_tokens is not None:  # the engine's count; the step term follows it
@@ -359,7 +363,7 @@ class LatencyPredictor:
                 x = (*x[:1], u, x[2], x[3], x[3] * (u + x[2]), *x[5:])
             self.pool_ttft.observe(x, ttft_ms)
             model.ttft.observe(x, ttft_ms)
-        if tpot_ms is not None and tpot_ms > 0.0:
+        if tpot_ms is not None and tpot_ms >= MIN_LEARNED_MS:
             model.tpot_error.add(prediction.tpot_ms, tpot_ms)
             self.pool_tpot.observe(f.tpot, tpot_ms)
             model.tpot.observe(f.tpot, tpot_ms)
