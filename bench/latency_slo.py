@@ -5,7 +5,9 @@
     .venv/bin/python bench/latency_slo.py --slow-factor 1 --policy default --policy slo
     .venv/bin/python bench/latency_slo.py --policy slo --trace /tmp/slo-trace.jsonl
     flock /tmp/servegate-vllm.lock .venv-engine/bin/python bench/latency_slo.py --vllm 3 \
-        --policy default --policy slo --doc-words 500 --rate-end 6   # real vLLM (CPU)
+        --policy default --policy slo --doc-words 300 --requests 60 --rate-start 0.15 \
+        --rate-end 0.8 --chat-ttft-ms 3000 --chat-tpot-ms 300 --rag-ttft-ms 10000 \
+        --rag-tpot-ms 500                        # real vLLM on CPU (docs/benchmarks.md)
 
 The same requests at the same arrival times, each policy behind its own in-process
 gateway over its own fresh simulated replicas (one child process each), all policies
