@@ -3,6 +3,11 @@
     .venv/bin/python bench/latency_slo.py --plot docs/img/latency-slo.png   # documented run
     .venv/bin/python bench/latency_slo.py --requests 200 --policy default --policy slo
     .venv/bin/python bench/latency_slo.py --slow-factor 1 --policy default --policy slo
+    .venv/bin/python bench/latency_slo.py --policy slo --trace /tmp/slo-trace.jsonl
+    flock /tmp/servegate-vllm.lock .venv-engine/bin/python bench/latency_slo.py --vllm 3 \
+        --policy default --policy slo --doc-words 300 --requests 60 --rate-start 0.15 \
+        --rate-end 0.8 --chat-ttft-ms 3000 --chat-tpot-ms 300 --rag-ttft-ms 10000 \
+        --rag-tpot-ms 500                        # real vLLM on CPU (docs/benchmarks.md)
 
 The same requests at the same arrival times, each policy behind its own in-process
 gateway over its own fresh simulated replicas (one child process each), all policies
@@ -19,7 +24,9 @@ them one after the other). Workload (seeded):
   `--rate-end` requests/s (past the replicas' capacity at the end);
 - replicas: `--replicas` simulators at `--speed` (slow: the machine these numbers were
   taken on is shared), one of them `--slow-factor` times as fast (an older GPU in the
-  pool; 1 = a homogeneous pool).
+  pool; 1 = a homogeneous pool); or, with `--vllm N`, N real vLLM servers on CPU
+  (`VllmCluster`, the tiny model of shared/REAL_VLLM.md) shared by the policies, which
+  then run one after the other, every prefix cache reset before each.
 
 Reported per policy: SLO attainment per class (a request attains its SLO when it
 completed with TTFT and mean inter-token time within both objectives; a shed
@@ -39,6 +46,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -47,10 +55,12 @@ from servegate.bench.client import RequestResult, send_request
 from servegate.bench.stats import percentile
 from servegate.bench.text import words
 from servegate.bench.workloads import BenchRequest
+from servegate.scheduling.latency.predictor import MIN_LEARNED_MS, LatencyPredictor
 from servegate.testing.cluster import SimClusterProcess
 from servegate.testing.gateway import GatewayRunner
 
 MODEL = "sim-model"
+VLLM_MODEL = "tiny"
 HEAD = {"apiVersion": "llm-d.ai/v1alpha1", "kind": "EndpointPickerConfig"}
 SLO_MOST = {
     **HEAD,
@@ -171,7 +181,7 @@ def workload(args: argparse.Namespace) -> list[Item]:
                 "x-llm-d-slo-ttft-ms": str(args.chat_ttft_ms),
                 "x-llm-d-slo-tpot-ms": str(args.chat_tpot_ms),
             }
-            req = BenchRequest(model=MODEL, max_tokens=48, prompt=prompt, headers=headers)
+            req = BenchRequest(model=args.model, max_tokens=48, prompt=prompt, headers=headers)
             items.append(Item(req, "chat", args.chat_ttft_ms / 1e3, args.chat_tpot_ms / 1e3, t))
         else:
             prompt = rng.choice(docs) + f"\nQuestion {i}: " + words(rng, 20) + "?"
@@ -180,7 +190,7 @@ def workload(args: argparse.Namespace) -> list[Item]:
                 "x-llm-d-slo-ttft-ms": str(args.rag_ttft_ms),
                 "x-llm-d-slo-tpot-ms": str(args.rag_tpot_ms),
             }
-            req = BenchRequest(model=MODEL, max_tokens=96, prompt=prompt, headers=headers)
+            req = BenchRequest(model=args.model, max_tokens=96, prompt=prompt, headers=headers)
             items.append(Item(req, "rag", args.rag_ttft_ms / 1e3, args.rag_tpot_ms / 1e3, t))
     return items
 
@@ -203,18 +213,21 @@ async def start_policy(
         "block_size": 16,
         "max_model_len": 8192,
     }
-    overrides = None
-    if args.slow_factor != 1.0:
-        overrides = [{"speed": args.speed * args.slow_factor}] + [{}] * (args.replicas - 1)
-    sims = await stack.enter_async_context(
-        SimClusterProcess(args.replicas, base=sim, overrides=overrides, startup_timeout=180)
-    )
+    urls: list[str] = args.urls
+    if not urls:
+        overrides = None
+        if args.slow_factor != 1.0:
+            overrides = [{"speed": args.speed * args.slow_factor}] + [{}] * (args.replicas - 1)
+        sims = await stack.enter_async_context(
+            SimClusterProcess(args.replicas, base=sim, overrides=overrides, startup_timeout=180)
+        )
+        urls = sims.urls
     cfg: dict[str, Any] = {
         "gateway": {"seed": args.seed, "port": 0},
         "pool": {
             "scrape_interval_s": 0.05,
             "health": {"interval_s": 0.5, "timeout_s": 5.0},
-            "endpoints": [{"url": url} for url in sims.urls],
+            "endpoints": [{"url": url} for url in urls],
         },
         "flow_control": {
             "objectives": [
@@ -229,7 +242,7 @@ async def start_policy(
     gw = await stack.enter_async_context(GatewayRunner(cfg))
     pool = gw.gateway.pool
     deadline = time.monotonic() + 120
-    while pool.ready_count() < args.replicas or pool.resolve_model(MODEL) is None:
+    while pool.ready_count() < len(urls) or pool.resolve_model(args.model) is None:
         if time.monotonic() > deadline:
             raise RuntimeError("the simulated replicas did not become ready")
         await asyncio.sleep(0.05)
@@ -259,6 +272,10 @@ async def run_policies(names: list[str], items: list[Item], args: argparse.Names
             http = await stack.enter_async_context(
                 aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
             )
+            if args.urls:
+                from bench_real_cache_routing import reset_prefix_caches
+
+                await reset_prefix_caches(http, args.urls)
             gateways = [await start_policy(n, args, stack) for n in group]
             done = await asyncio.gather(
                 *(drive(n, gw, items, http) for n, gw in zip(group, gateways, strict=True))
@@ -280,7 +297,7 @@ def mape(access: list[dict[str, Any]]) -> tuple[float | None, float | None, floa
         if ttft is not None and ttft - disp > 0:
             ttft_err.append(abs(pred - ttft) / (ttft - disp))
         tpot, ptpot = line.get("tpot_ms"), line.get("predicted_tpot_ms")
-        if tpot and ptpot is not None:
+        if tpot and tpot >= MIN_LEARNED_MS and ptpot is not None:  # not a burst (see predictor)
             tpot_err.append(abs(ptpot - tpot) / tpot)
 
     def avg(xs: list[float]) -> float | None:
@@ -384,17 +401,50 @@ def plot(rows: list[Row], parts: int, path: str, args: argparse.Namespace) -> No
     fig.savefig(path, dpi=110)
 
 
+def trace_to(path: str) -> None:
+    """Append every learned observation (features at dispatch, what the engine showed,
+    the prediction) to `path` as JSON lines, to study the predictor offline."""
+    import json
+
+    out = open(path, "w")  # noqa: SIM115 - open for the whole run
+    learn = LatencyPredictor.completed
+
+    def completed(self: LatencyPredictor, address: str, key: int, prediction: Any,
+                  ttft_ms: float | None, tpot_ms: float | None,
+                  uncached_tokens: int | None = None) -> None:  # fmt: skip
+        f = prediction.features
+        row = {"predictor": id(self), "endpoint": address, "ttft_x": f.ttft, "tpot_x": f.tpot,
+               "uncached_est": f.uncached_tokens, "uncached": uncached_tokens,
+               "ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "pred_ttft_ms": prediction.ttft_ms,
+               "pred_tpot_ms": prediction.tpot_ms}  # fmt: skip
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+        learn(self, address, key, prediction, ttft_ms, tpot_ms, uncached_tokens)
+
+    LatencyPredictor.completed = completed  # type: ignore[method-assign]
+
+
 async def main(args: argparse.Namespace) -> None:
+    if args.trace:
+        trace_to(args.trace)
     items = workload(args)
     rows = await run_policies(args.policy or list(DEFAULT_POLICIES), items, args)
+    report(rows, items, args)
+
+
+def report(rows: list[Row], items: list[Item], args: argparse.Namespace) -> None:
     print()
     chats = sum(1 for i in items if i.cls == "chat")
     print(
         f"{len(items)} requests ({chats} chats, {len(items) - chats} RAG over {args.documents} "
         f"documents of {args.doc_words} words), rate {args.rate_start:g} → {args.rate_end:g} "
-        f"req/s over {items[-1].at:.0f} s, {args.replicas} simulated replicas at speed "
-        f"{args.speed:g}"
-        + (f" (one at ×{args.slow_factor:g})" if args.slow_factor != 1 else "")
+        f"req/s over {items[-1].at:.0f} s, "
+        + (
+            f"{len(args.urls)} real vLLM servers (tiny model, CPU), policies one after another"
+            if args.urls
+            else f"{args.replicas} simulated replicas at speed {args.speed:g}"
+            + (f" (one at ×{args.slow_factor:g})" if args.slow_factor != 1 else "")
+        )
         + f", seed {args.seed}; SLO chat {args.chat_ttft_ms} ms TTFT / {args.chat_tpot_ms} ms "
         f"TPOT, RAG {args.rag_ttft_ms} / {args.rag_tpot_ms} (sheddable); Python "
         f"{platform.python_version()} on {platform.machine()}, {sys.platform}"
@@ -425,6 +475,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rag-tpot-ms", type=int, default=300)
     p.add_argument("--slices", type=int, default=6)
     p.add_argument("--plot", default=None)
+    p.add_argument("--trace", default=None, help="write every learned observation here (JSONL)")
+    p.add_argument("--vllm", type=int, default=0, help="N real vLLM servers instead of simulators")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
         "--sequential",
@@ -434,5 +486,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def run_on_vllm(args: argparse.Namespace) -> None:
+    """The same, on `--vllm` real vLLM servers (started once, stopped at the end)."""
+    import signal
+    import tempfile
+
+    from servegate.testing.tinymodel import build_tiny_model
+    from servegate.testing.vllm_cluster import ClusterSettings, VllmCluster
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    workdir = Path(tempfile.mkdtemp(prefix="servegate-latency-"))
+    cluster = VllmCluster(build_tiny_model(), ClusterSettings(replicas=args.vllm), workdir / "vllm")
+    try:
+        cluster.start()
+        print(f"{args.vllm} vLLM servers healthy after {cluster.startup_s:.0f} s", flush=True)
+        args.urls = cluster.urls
+        args.sequential = True
+        asyncio.run(main(args))
+    finally:
+        cluster.stop()
+
+
 if __name__ == "__main__":
-    asyncio.run(main(parse_args()))
+    parsed = parse_args()
+    parsed.urls = []
+    parsed.model = VLLM_MODEL if parsed.vllm else MODEL
+    if parsed.vllm:
+        sys.path.insert(0, str(Path(__file__).parent))
+        run_on_vllm(parsed)
+    else:
+        asyncio.run(main(parsed))

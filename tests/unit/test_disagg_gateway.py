@@ -303,6 +303,8 @@ async def test_gateway_mode_runs_both_legs(http: aiohttp.ClientSession, stream: 
             assert line["prefill_ms"] > 0
             decided = {"model_name": MODEL, "decision_type": "prefill-decode"}
             assert metric(gw, "llm_d_inference_scheduler_disagg_decision_total", decided) == 1
+            assert metric(gw, "llm_d_epp_disagg_decision_total", decided) == 1
+            assert metric(gw, "llm_d_epp_pd_decision_total", decided) == 1
             assert all(s.in_flight_requests == 0 for s in gw.gateway.pool)
             assert all(s.in_flight_tokens == 0 for s in gw.gateway.pool)
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -114,6 +115,42 @@ def test_one_request_lands_in_every_family_under_both_names() -> None:
     assert ntpot == pytest.approx(0.1)
     assert value(metrics, "inference_objective_running_requests", model_name="alias") == 0.0
     assert value(metrics, "servegate_time_to_first_byte_seconds_count", **model) == 1.0
+
+
+def test_streams_observe_the_gap_between_every_two_chunks_relayed() -> None:
+    metrics = GatewayMetrics(lambda: [])
+    series = metrics.start("m", "m", "t", 0)
+    done = record(ttft_ms=50.0, completion_tokens=4, stream=True)
+    for at in (10.0, 10.02, 10.05, 10.15):  # first chunk, then gaps of 20, 30 and 100 ms
+        done.relayed(at)
+    assert done.itl_s == pytest.approx([0.02, 0.03, 0.1])
+    metrics.finish(series, done, 0.2, 10, None)
+    labels = {"model_name": "m", "target_model_name": "m", "fairness_id": "t", "priority": "0"}
+    name = "llm_d_epp_request_streaming_itl_seconds"
+    assert value(metrics, f"{name}_count", **labels) == 3.0
+    assert value(metrics, f"{name}_sum", **labels) == pytest.approx(0.15)
+    assert value(metrics, f"{name}_bucket", le="0.02", **labels) == 1.0
+    assert value(metrics, f"{name}_bucket", le="0.04", **labels) == 2.0
+    unary = record(ttft_ms=50.0, completion_tokens=4)
+    unary.relayed(1.0)
+    metrics.finish(series, unary, 0.2, 10, None)
+    assert value(metrics, f"{name}_count", **labels) == 3.0
+    assert "_itl_s" not in orjson.loads(orjson.dumps(done))  # not in the access log
+
+
+def test_pd_decisions_are_counted_under_every_llm_d_name() -> None:
+    metrics = GatewayMetrics(lambda: [])
+    metrics.pd_decision("m", "prefill-decode")
+    metrics.pd_decision("m", "prefill-decode")
+    metrics.pd_decision("m", "decode-only")
+    for name in (
+        "llm_d_epp_disagg_decision_total",
+        "llm_d_epp_pd_decision_total",
+        "llm_d_inference_scheduler_disagg_decision_total",
+        "llm_d_inference_scheduler_pd_decision_total",
+    ):
+        assert value(metrics, name, model_name="m", decision_type="prefill-decode") == 2.0
+        assert value(metrics, name, model_name="m", decision_type="decode-only") == 1.0
 
 
 def test_unary_requests_have_no_streaming_tpot() -> None:

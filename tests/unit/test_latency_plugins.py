@@ -61,8 +61,8 @@ def cycle(now: float = 100.0, seed: int = 0) -> CycleState:
 def predictor_with(ttft_per_in_flight: float, tpot_per_in_flight: float) -> LatencyPredictor:
     """A predictor whose pool fit is `10 + k · in_flight` ms for both targets (no tokens)."""
     p = LatencyPredictor()
-    p.pool_ttft.theta = [10.0, 0.0, 0.0, ttft_per_in_flight, 0.0, 0.0, 0.0]
-    p.pool_tpot.theta = [10.0, tpot_per_in_flight, 0.0, 0.0, 0.0]
+    p.pool_ttft.theta = [10.0, 0.0, 0.0, ttft_per_in_flight] + [0.0] * 5
+    p.pool_tpot.theta = [10.0, tpot_per_in_flight] + [0.0] * 4
     return p
 
 
@@ -114,8 +114,8 @@ def test_time_spent_in_the_gateway_counts_against_the_ttft_slo() -> None:
 
 def test_when_nothing_meets_the_slo_the_least_severe_violation_wins() -> None:
     p = LatencyPredictor()
-    p.pool_ttft.theta = [10.0, 0.0, 0.0, 100.0, 0.0, 0.0, 0.0]  # TTFT grows with in-flight
-    p.pool_tpot.theta = [100.0, -20.0, 0.0, 0.0, 0.0]  # TPOT shrinks with it
+    p.pool_ttft.theta = [10.0, 0.0, 0.0, 100.0] + [0.0] * 5  # TTFT grows with in-flight
+    p.pool_tpot.theta = [100.0, -20.0] + [0.0] * 4  # TPOT shrinks with it
     # a: TTFT 110 / TPOT 80; b: 210 / 60; c: 310 / 40
     eps = [state("a:1", in_flight=1), state("b:1", in_flight=2), state("c:1", in_flight=3)]
     s = scorer(p, ttftWeight=1, tpotWeight=1)
@@ -192,13 +192,18 @@ def test_producer_predicts_every_candidate_once_with_the_prefix_match() -> None:
     decision = scheduler.schedule(req, eps, cycle())
     memo = req.cache[PREDICTIONS_KEY]
     assert set(memo) == {"a:1", "b:1"}
-    assert memo["a:1"].features.uncached_tokens == 1000  # nothing routed yet: no match
+    first = producer.source.prediction(cycle(), req, eps[0])
+    assert first.features.uncached_tokens == 1000  # nothing routed yet: no match
+    assert memo["a:1"] == pytest.approx((first.ttft_ms, first.tpot_ms))
     scheduler.pre_request(req, decision, 100.0)  # the approximate index learns the prompt
     again = request(ttft=1000)
     again.prompt = req.prompt
     scheduler.schedule(again, eps, cycle())
     chosen = decision.endpoint.address
-    assert again.cache[PREDICTIONS_KEY][chosen].features.uncached_tokens < 100
+    assert chosen in again.cache[PREDICTIONS_KEY]
+    assert (
+        producer.source.prediction(cycle(), again, decision.endpoint).features.uncached_tokens < 100
+    )
 
 
 def test_parameters_are_strict_and_the_prefix_source_must_exist() -> None:

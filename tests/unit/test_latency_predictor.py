@@ -22,12 +22,26 @@ def test_features_read_the_prompt_match_load_and_lora() -> None:
     s = state("a:1", in_flight=3, waiting=2, kv=0.4)
     f = predictor.features(s, 2000, 0.75, None, now=0.0)
     assert f.uncached_tokens == 500
-    assert f.ttft == (1.0, 0.5, 0.0, 3.0, 2.0, 0.4, 0.0)
-    assert f.tpot == (1.0, 3.0, 0.4, 0.0, 2.0)
-    assert predictor.features(s, 2000, 0.0, "ad", now=0.0).ttft[6] == 1.0  # no LoRA info
+    # nothing of this gateway's is prefilling there: all 3 in flight are decoding
+    assert f.ttft == (1.0, 0.5, 0.0, 3.0, 1.5, 0.0, 2.0, 0.4, 0.0)
+    assert f.tpot == (1.0, 3.0, 0.5, 0.0, 2.0, 0.4)
+    assert predictor.features(s, 2000, 0.0, "ad", now=0.0).ttft[8] == 1.0  # no LoRA info
     s.metrics.lora = LoraInfo(max_lora=2, running=frozenset({"ad"}))
-    assert predictor.features(s, 2000, 0.0, "ad", now=0.0).ttft[6] == 0.0
+    assert predictor.features(s, 2000, 0.0, "ad", now=0.0).ttft[8] == 0.0
     assert predictor.features(s, 2000, 1.7, None, now=0.0).uncached_tokens == 0  # clamped
+
+
+def test_requests_still_prefilling_are_not_counted_as_decoding() -> None:
+    predictor = LatencyPredictor()
+    s = state("a:1", in_flight=3)
+    p = predictor.predict(s, 2000, 0.0, None, now=10.0)
+    predictor.dispatched("a:1", p, now=10.0)
+    f = predictor.features(s, 1000, 0.0, None, now=10.0)
+    # 2 decoding; the extra-steps term covers the backlog and this request's prompt
+    assert (f.ttft[2], f.ttft[3], f.ttft[4], f.ttft[5]) == pytest.approx((2.0, 2.0, 6.0, 1.0))
+    assert f.tpot[1:4] == pytest.approx((2.0, 3.0, 0.2))  # 2000 tokens over a 10 s window
+    later = predictor.features(s, 1000, 0.0, None, now=20.0).tpot[3]
+    assert later == pytest.approx(0.2 * 2.718281828**-1, rel=1e-6)
 
 
 def test_a_new_endpoint_predicts_from_the_prior_then_from_what_the_pool_learned() -> None:
@@ -135,3 +149,38 @@ def test_mape_on_noisy_synthetic_latencies_converges() -> None:
             errors.append(abs(p.ttft_ms - actual) / actual)
         predictor.completed(address, key, p, actual, None)
     assert sum(errors) / len(errors) < 0.08
+
+
+def test_the_hot_path_estimate_equals_the_full_prediction() -> None:
+    predictor = LatencyPredictor()
+    rng = random.Random(3)
+    for i in range(300):  # teach it something, with requests in flight
+        address = f"r{i % 3}:1"
+        s = state(address, in_flight=rng.randint(0, 6), waiting=rng.randint(0, 3), kv=0.3)
+        p = predictor.predict(s, rng.randint(10, 3000), rng.random(), None, now=float(i))
+        key = predictor.dispatched(address, p, now=float(i))
+        if rng.random() < 0.7:
+            predictor.completed(address, key, p, rng.uniform(50, 900), rng.uniform(10, 60))
+    for i in range(200):
+        s = state(f"r{i % 4}:1", in_flight=rng.randint(0, 6), waiting=rng.randint(0, 3), kv=0.5)
+        if i % 5 == 0:
+            s.metrics.lora = LoraInfo(max_lora=2, running=frozenset({"a"}))
+        args = (s, rng.randint(0, 4000), rng.choice((0.0, 1.0, 1.3, rng.random())),
+                rng.choice((None, "a", "b")), 300.0 + rng.random() * 5)  # fmt: skip
+        full = predictor.predict(*args)
+        assert predictor.estimate(*args) == pytest.approx((full.ttft_ms, full.tpot_ms))
+
+
+def test_a_stream_relayed_in_one_burst_teaches_nothing() -> None:
+    predictor = LatencyPredictor()
+    for _ in range(50):
+        p = predictor.predict(state("a:1", in_flight=2), 500, 0.0, None, now=0.0)
+        key = predictor.dispatched("a:1", p, now=0.0)
+        predictor.completed("a:1", key, p, 200.0, 40.0)
+    p = predictor.predict(state("a:1", in_flight=2), 500, 0.0, None, now=0.0)
+    key = predictor.dispatched("a:1", p, now=0.0)
+    predictor.completed("a:1", key, p, 200.0, 0.004)  # every token arrived at once
+    model = predictor.endpoints["a:1"]
+    assert model.tpot_error.observations == 50
+    after = predictor.predict(state("a:1", in_flight=2), 500, 0.0, None, now=0.0)
+    assert after.tpot_ms == pytest.approx(40.0, rel=0.05)

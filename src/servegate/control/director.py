@@ -167,7 +167,7 @@ class Director:
         self.decisions.record(rt.name, llm, decision, now)
         if decision.pd_decision is not None and kind in DISAGG_KINDS:
             record.pd_decision = decision.pd_decision
-            metrics.disagg_decisions.labels(llm.target_model, decision.pd_decision).inc()
+            metrics.pd_decision(llm.target_model, decision.pd_decision)
         extra = ctx.response_headers
         extra["X-Request-ID"] = ctx.request_id
         extra[QUEUE_DURATION_HEADER] = queue_ms(ctx.queued_s)

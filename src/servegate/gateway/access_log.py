@@ -63,6 +63,26 @@ class AccessRecord:
     """Time from arrival to the scheduling decision (queueing, tokenisation)."""
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    _relayed_at: float = 0.0
+    _itl_s: list[float] | None = None
+    """Gaps between response chunks relayed (not logged: orjson skips `_` fields)."""
+
+    def relayed(self, now: float) -> None:
+        """A response chunk went to the client at `now` (monotonic): note the gap since
+        the previous one (`llm_d_epp_request_streaming_itl_seconds`)."""
+        last = self._relayed_at
+        self._relayed_at = now
+        if last:
+            gaps = self._itl_s
+            if gaps is None:
+                self._itl_s = [now - last]
+            else:
+                gaps.append(now - last)
+
+    @property
+    def itl_s(self) -> list[float]:
+        """The inter-chunk gaps of the relayed response, in seconds."""
+        return self._itl_s or []
 
 
 class AccessLog:

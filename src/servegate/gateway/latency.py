@@ -74,7 +74,7 @@ class Ticket:
         slo: Slo,
         started: float,
         dispatched_ms: float,
-        predictions: Mapping[str, Prediction],
+        predictions: Mapping[str, tuple[float, float]],
     ) -> None:
         self.owner = owner
         self.address = address
@@ -95,7 +95,7 @@ class Ticket:
             "slo_ttft_ms": self.slo.ttft_ms,
             "slo_tpot_ms": self.slo.tpot_ms,
             "candidates": {
-                a: {"ttft_ms": round(p.ttft_ms, 3), "tpot_ms": round(p.tpot_ms, 3)}
+                a: {"ttft_ms": round(p[0], 3), "tpot_ms": round(p[1], 3)}
                 for a, p in self.predictions.items()
             },
         }
@@ -200,7 +200,7 @@ class LatencyRouting:
     ) -> Ticket:
         """Note the chosen endpoint's prediction (call before the prefix indexes learn it)."""
         state = decision.endpoint
-        prediction = self.source.predictions(cycle, request, [state])[0]
+        prediction = self.source.prediction(cycle, request, state)
         memo = request.cache.get(PREDICTIONS_KEY)
         slo = request_slo(request)
         dispatched_ms = max(0.0, (cycle.now - started) * 1000.0)

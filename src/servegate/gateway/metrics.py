@@ -426,6 +426,7 @@ class RequestSeries:
     cached_tokens: Buckets
     ntpot: Buckets
     streaming_tpot: Buckets
+    streaming_itl: Buckets
     ttft_streaming: Buckets
     ttft_unary: Buckets
     running: Value
@@ -497,6 +498,11 @@ class GatewayMetrics:
             "Streaming requests: (latency - TTFT) / (output tokens - 1).",
             TPOT_BUCKETS,
         )
+        self.streaming_itl = histogram(
+            "llm_d_epp_request_streaming_itl_seconds",
+            "Streaming requests: time between consecutive response chunks relayed.",
+            TPOT_BUCKETS,
+        )
         self.ttft = histogram(
             "llm_d_epp_request_ttft_seconds",
             "From request arrival to the first response byte relayed (the whole body, unary).",
@@ -562,6 +568,18 @@ class GatewayMetrics:
             ["model_name", "decision_type"],
             registry=r,
         )
+        self.pd_decision_families = tuple(
+            Counter(name, doc, ["model_name", "decision_type"], registry=r)
+            for name, doc in (
+                ("llm_d_epp_disagg_decision", "Disaggregation decisions by type (llm-d-router)."),
+                ("llm_d_epp_pd_decision", "P/D decisions by type (llm-d-router, deprecated)."),
+                (
+                    "llm_d_inference_scheduler_pd_decision",
+                    "P/D decisions by type (llm-d-inference-scheduler, deprecated name).",
+                ),
+            )
+        )
+        self._pd_children: dict[tuple[str, str], tuple[Counter, ...]] = {}
         self.disagg_fallbacks = Counter(
             "servegate_disagg_prefill_fallbacks",
             "Gateway-orchestrated prefill legs that failed, so the decode replica prefilled itself.",
@@ -731,6 +749,7 @@ class GatewayMetrics:
             cached_tokens=self.cached_tokens.histogram(*values),
             ntpot=self.ntpot.histogram(*values),
             streaming_tpot=self.streaming_tpot.histogram(*values),
+            streaming_itl=self.streaming_itl.histogram(*values),
             ttft_streaming=self.ttft.histogram(*values, "true"),
             ttft_unary=self.ttft.histogram(*values, "false"),
             running=self.running.labels(*values),
@@ -793,6 +812,23 @@ class GatewayMetrics:
             series.ntpot.observe(elapsed_s / output)
             if record.stream and ttft_ms is not None and output > 1:
                 series.streaming_tpot.observe((elapsed_s - ttft_ms / 1000.0) / (output - 1))
+        if record.stream:
+            observe = series.streaming_itl.observe
+            for gap in record.itl_s:
+                observe(gap)
+
+    def pd_decision(self, model: str, decision_type: str) -> None:
+        """One prefill/decode decision, counted under each of llm-d's names for it."""
+        key = (model, decision_type)
+        children = self._pd_children.get(key)
+        if children is None:
+            model = self.bound_model(model)
+            children = self._pd_children[key] = tuple(
+                family.labels(model, decision_type)
+                for family in (self.disagg_decisions, *self.pd_decision_families)
+            )
+        for child in children:
+            child.inc()
 
     def scheduled(self, target: str, address: str | None) -> None:
         """One scheduling attempt: `address` is the primary endpoint, None when it failed."""

@@ -500,12 +500,14 @@ class Proxy:
             if first:
                 out = stream.feed(first)
                 record.ttft_ms = (time.monotonic() - started) * 1000.0
+                record.relayed(time.monotonic())
                 if content.at_eof():
                     return out + stream.finish()
                 await response.write(out)
             async for data in content.iter_any():
                 out = stream.feed(data)
                 if out:
+                    record.relayed(time.monotonic())
                     if record.ttft_ms is None:
                         record.ttft_ms = (time.monotonic() - started) * 1000.0
                     if content.at_eof():

@@ -82,24 +82,41 @@ class PredictionSource:
 
     def predictions(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
-    ) -> list[Prediction]:
+    ) -> list[tuple[float, float]]:
+        """Each endpoint's predicted (TTFT, TPOT) in ms, memoised per request."""
         memo = request.cache.get(PREDICTIONS_KEY)
         if memo is None:
             memo = request.cache[PREDICTIONS_KEY] = {}
-        missing = [s for s in endpoints if s.endpoint.address not in memo]
+            missing = endpoints
+        else:
+            missing = [s for s in endpoints if s.endpoint.address not in memo]
         if missing:
-            match = [0.0] * len(missing)
-            for scorer in self.prefix:
-                for i, x in enumerate(scorer.score(cycle, request, missing)):
-                    if x > match[i]:
-                        match[i] = x
-            predict = self.predictor.predict
+            match = self.matches(cycle, request, missing)
+            estimate = self.predictor.estimate
             tokens = request.prompt_tokens
             lora = request.lora
             now = cycle.now
             for state, m in zip(missing, match, strict=True):
-                memo[state.endpoint.address] = predict(state, tokens, m, lora, now)
+                memo[state.endpoint.address] = estimate(state, tokens, m, lora, now)
         return [memo[s.endpoint.address] for s in endpoints]
+
+    def matches(
+        self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
+    ) -> list[float]:
+        """The best prefix match any declared prefix scorer gives each endpoint."""
+        match = [0.0] * len(endpoints)
+        for scorer in self.prefix:
+            for i, x in enumerate(scorer.score(cycle, request, endpoints)):
+                if x > match[i]:
+                    match[i] = x
+        return match
+
+    def prediction(
+        self, cycle: CycleState, request: LLMRequest, state: EndpointState
+    ) -> Prediction:
+        """The chosen endpoint's prediction with its features (for dispatch and learning)."""
+        match = self.matches(cycle, request, [state])[0]
+        return self.predictor.predict(state, request.prompt_tokens, match, request.lora, cycle.now)
 
     def headrooms(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
@@ -114,10 +131,10 @@ class PredictionSource:
         spent = elapsed_ms(cycle, request)
         buf = self.buffer
         ttft_slo = slo.ttft_ms or 0.0
-        ttft = [ttft_slo - (spent + p.ttft_ms * buf) for p in preds]
+        ttft = [ttft_slo - (spent + p[0] * buf) for p in preds]
         if self.streaming:
             tpot_slo = slo.tpot_ms or 0.0
-            tpot = [tpot_slo - p.tpot_ms * buf for p in preds]
+            tpot = [tpot_slo - p[1] * buf for p in preds]
         else:
             tpot = [0.0] * len(preds)
         return slo, ttft, tpot
@@ -127,6 +144,18 @@ class PredictionSource:
         if slo.ttft_ms is not None and ttft_headroom < 0.0:
             return False
         return not (slo.tpot_ms is not None and self.streaming and tpot_headroom < 0.0)
+
+    def meeting(self, slo: Slo, ttft: list[float], tpot: list[float]) -> list[bool]:
+        """`meets` for every endpoint at once (the filter's and the scorer's hot loop)."""
+        check_ttft = slo.ttft_ms is not None
+        check_tpot = slo.tpot_ms is not None and self.streaming
+        if check_ttft and check_tpot:
+            return [a >= 0.0 and b >= 0.0 for a, b in zip(ttft, tpot, strict=True)]
+        if check_ttft:
+            return [a >= 0.0 for a in ttft]
+        if check_tpot:
+            return [b >= 0.0 for b in tpot]
+        return [True] * len(ttft)
 
 
 def _predictor(ctx: PluginContext) -> LatencyPredictor:
@@ -317,7 +346,7 @@ class LatencyScorer(_SourceUser):
             return []
         source = self.source
         slo, ttft, tpot = source.headrooms(cycle, request, endpoints)
-        meets = [source.meets(slo, a, b) for a, b in zip(ttft, tpot, strict=True)]
+        meets = source.meeting(slo, ttft, tpot)
         members = [i for i in range(n) if meets[i]] if slo.any else []
         positive = bool(members)
         if not positive:
@@ -406,8 +435,8 @@ class SloHeadroomTierFilter(_SourceUser):
         slo, ttft, tpot = source.headrooms(cycle, request, endpoints)
         positive: list[EndpointState] = []
         negative: list[EndpointState] = []
-        for state, a, b in zip(endpoints, ttft, tpot, strict=True):
-            (positive if source.meets(slo, a, b) else negative).append(state)
+        for state, ok in zip(endpoints, source.meeting(slo, ttft, tpot), strict=True):
+            (positive if ok else negative).append(state)
         if positive and negative:
             return negative if cycle.rng.random() < self.epsilon else positive
         return positive or negative
@@ -473,8 +502,8 @@ class LatencySloAdmitter(_SourceUser):
         if any(s.metrics.kv_usage < COLD_KV_USAGE for s in endpoints):
             return Verdict(True, "an endpoint is cold")
         source = self.source
-        _, ttft, tpot = source.headrooms(cycle, request, endpoints)
-        if any(source.meets(slo, a, b) for a, b in zip(ttft, tpot, strict=True)):
+        slo, ttft, tpot = source.headrooms(cycle, request, endpoints)
+        if any(source.meeting(slo, ttft, tpot)):
             return Verdict(True, "an endpoint meets the SLO")
         return Verdict(False, "no endpoint is predicted to meet the request's latency SLO")
 

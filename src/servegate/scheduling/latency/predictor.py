@@ -7,20 +7,34 @@ call: `dispatched` when a request is sent (the endpoint's prompt backlog grows),
 `completed` when it ends (the backlog shrinks and, for a stream that produced
 tokens, the TTFT and TPOT it showed are learned).
 
-Features, all read from what the pool already has (`features`):
+Features, all read from what the pool already has (`features`), shaped after how an
+engine with continuous batching spends time (vLLM's scheduler, which the simulator
+copies): a request's first token comes after the rest of the engine step under way,
+then every step until its prompt is prefilled, each step costing a fixed overhead, a
+cost per decoding sequence and a cost per prefilled token:
+
+    TTFT ≈ residual step + steps × (overhead + per-sequence × decoding)
+           + per-token × (backlog + uncached),   steps ≈ 1 + (backlog + uncached) / budget
+
+which is linear in the features below once `decoding × (backlog + uncached)` is one
+of them (the extra steps a long prefill queue costs every decoding sequence).
 
 | TTFT feature | unit |
 |---|---|
 | 1 (intercept) | — |
 | this request's uncached prompt tokens (prompt × (1 − prefix match)) | 1000 tokens |
 | uncached prompt tokens this gateway sent there that have no first token yet | 1000 tokens |
-| requests in flight to the endpoint (this router and its peers) | requests |
+| requests decoding there: in flight (this router and its peers) minus those prefilling | requests |
+| decoding × (backlog + uncached): the per-step decode cost of the extra prefill steps | requests × 1000 tokens |
+| requests this gateway sent there with no first token yet | requests |
 | the engine's waiting requests (scraped) | requests |
 | the engine's KV-cache usage (scraped) | fraction |
 | LoRA adapter requested but not running there | 0/1 |
 
-TPOT uses the intercept, in-flight requests, KV usage, in-flight uncached prompt
-tokens and waiting requests. Each endpoint has its own pair of models
+TPOT uses the intercept, decoding requests, the prefill backlog with this request's
+own prompt, the rate of uncached prompt tokens recently sent there (prefill that will
+share the steps of this request's decode), waiting requests and KV usage.
+Each endpoint has its own pair of models
 (`OnlineRegression`), whose prior is the pool-wide pair's current fit, which
 learns from every endpoint's observations; the pool-wide pair's prior is fixed
 (`TTFT_PRIOR`, `TPOT_PRIOR`). A new endpoint therefore starts from what the
@@ -29,6 +43,7 @@ others taught, and an endpoint that differs moves away as its own data arrives.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -39,22 +54,30 @@ from servegate.scheduling.latency.model import OnlineRegression
 SERVICE_KEY = "latency-predictor"
 """`PluginContext.services` key of the pool's `LatencyPredictor`."""
 
-TTFT_FEATURES = ("intercept", "uncached_ktokens", "backlog_ktokens", "in_flight", "waiting",
-                 "kv_usage", "lora_miss")  # fmt: skip
-TPOT_FEATURES = ("intercept", "in_flight", "kv_usage", "backlog_ktokens", "waiting")
+TTFT_FEATURES = ("intercept", "uncached_ktokens", "backlog_ktokens", "decoding",
+                 "decoding_x_prefill_ktokens", "prefilling", "waiting", "kv_usage",
+                 "lora_miss")  # fmt: skip
+TPOT_FEATURES = ("intercept", "decoding", "prefill_ktokens", "recent_ktokens_per_s", "waiting",
+                 "kv_usage")  # fmt: skip
 
-TTFT_PRIOR = (15.0, 40.0, 40.0, 2.0, 10.0, 0.0, 20.0)
+TTFT_PRIOR = (15.0, 40.0, 40.0, 2.0, 0.5, 5.0, 10.0, 0.0, 20.0)
 """Milliseconds per unit of each TTFT feature before any observation."""
-TTFT_SCALE = (1.0, 0.5, 1.0, 4.0, 1.0, 0.3, 0.2)
+TTFT_SCALE = (1.0, 0.5, 1.0, 4.0, 2.0, 1.0, 1.0, 0.3, 0.2)
 """Typical feature values: the prior counts as one observation of this size."""
 TTFT_TYPICAL_MS = 100.0
-TPOT_PRIOR = (8.0, 0.3, 0.0, 1.0, 0.0)
-TPOT_SCALE = (1.0, 4.0, 0.3, 1.0, 1.0)
+TPOT_PRIOR = (8.0, 0.3, 1.0, 1.0, 0.0, 0.0)
+TPOT_SCALE = (1.0, 4.0, 1.0, 1.0, 1.0, 0.3)
 TPOT_TYPICAL_MS = 10.0
 MIN_MS = 0.1
 """Predictions are never below this (a linear fit can go negative far from its data)."""
 ERROR_DECAY = 0.98
 """Weight of the past in the running mean absolute percentage error (≈ the last 50)."""
+MIN_LEARNED_MS = 0.5
+"""A TTFT or TPOT below this is not the engine's pace but a stream relayed in one burst
+(its tokens buffered somewhere): not learned, not counted in the error. Observations
+are weighted 1/y², so one such near-zero value would otherwise outweigh everything."""
+RATE_WINDOW_S = 10.0
+"""Time constant of the recent-prompt-tokens rate (the TPOT feature)."""
 
 
 @dataclass(slots=True)
@@ -96,18 +119,43 @@ class EndpointModel:
     dispatched: int = 0
     ttft_error: Accuracy = field(default_factory=Accuracy)
     tpot_error: Accuracy = field(default_factory=Accuracy)
+    recent_tokens: float = 0.0
+    """Uncached prompt tokens sent here, decayed with `RATE_WINDOW_S` as of `recent_at`."""
+    recent_at: float = 0.0
 
     def backlog(self, now: float) -> int:
         """Uncached prompt tokens dispatched here whose prefill is not done by `now`: no
         first token yet when that is known, else not expected done yet."""
+        return self.load(now)[0]
+
+    def load(self, now: float) -> tuple[int, int]:
+        """`backlog(now)` and how many requests it is made of (those still prefilling)."""
         total = 0
+        count = 0
         for done_at, tokens, first in self.pending.values():
             if first is not None:
                 if first.ttft_ms is None:
                     total += tokens
+                    count += 1
             elif done_at > now:
                 total += tokens
-        return total
+                count += 1
+        return total, count
+
+    def recent_rate(self, now: float) -> float:
+        """Uncached prompt tokens per second sent here lately (thousands)."""
+        if self.recent_tokens <= 0.0:
+            return 0.0
+        age = now - self.recent_at
+        decay = math.exp(-age / RATE_WINDOW_S) if age > 0.0 else 1.0
+        return self.recent_tokens * decay / RATE_WINDOW_S / 1000.0
+
+    def sent(self, tokens: int, now: float) -> None:
+        age = now - self.recent_at
+        decay = math.exp(-age / RATE_WINDOW_S) if age > 0.0 else 1.0
+        self.recent_tokens = self.recent_tokens * decay + tokens
+        if now > self.recent_at:
+            self.recent_at = now
 
 
 @dataclass(slots=True)
@@ -173,18 +221,27 @@ class LatencyPredictor:
         """The feature vectors of a request of `prompt_tokens` on `state` at `now`."""
         uncached = int(prompt_tokens * (1.0 - min(1.0, max(0.0, prefix_match))))
         model = self.endpoints.get(state.endpoint.address)
-        backlog = (model.backlog(now) if model is not None else 0) / 1000.0
+        if model is not None and model.pending:
+            tokens, prefilling = model.load(now)
+            rate = model.recent_rate(now)
+        else:
+            tokens = prefilling = 0
+            rate = 0.0 if model is None else model.recent_rate(now)
+        backlog = tokens / 1000.0
         m = state.metrics
-        in_flight = float(state.in_flight_requests)
+        in_flight = state.in_flight_requests
+        decoding = float(in_flight - prefilling) if in_flight > prefilling else 0.0
+        u = uncached / 1000.0
         lora_miss = 0.0
         if lora is not None:
             info = m.lora
             lora_miss = 0.0 if info is not None and lora in info.running else 1.0
         return Features(
-            (1.0, uncached / 1000.0, backlog, in_flight, m.waiting, m.kv_usage, lora_miss),
-            (1.0, in_flight, m.kv_usage, backlog, m.waiting),
+            (1.0, u, backlog, decoding, decoding * (u + backlog), float(prefilling), m.waiting,
+             m.kv_usage, lora_miss),
+            (1.0, decoding, u + backlog, rate, m.waiting, m.kv_usage),
             uncached,
-        )
+        )  # fmt: skip
 
     def predict(
         self,
@@ -194,7 +251,8 @@ class LatencyPredictor:
         lora: str | None,
         now: float,
     ) -> Prediction:
-        """Predicted TTFT and TPOT (ms) of the request on `state`; the hot path."""
+        """Predicted TTFT and TPOT (ms) of the request on `state`, with the features they
+        came from (what `dispatched` and `completed` need); `estimate` is the hot path."""
         f = self.features(state, prompt_tokens, prefix_match, lora, now)
         model = self.endpoints.get(state.endpoint.address)
         ttft_theta = self.pool_ttft.theta
@@ -204,17 +262,57 @@ class LatencyPredictor:
                 ttft_theta = model.ttft.theta
             if model.tpot.effective_n > 0.0:
                 tpot_theta = model.tpot.theta
-        x = f.ttft
-        ttft = (
-            ttft_theta[0] + ttft_theta[1] * x[1] + ttft_theta[2] * x[2] + ttft_theta[3] * x[3]
-            + ttft_theta[4] * x[4] + ttft_theta[5] * x[5] + ttft_theta[6] * x[6]
-        )  # fmt: skip
-        z = f.tpot
-        tpot = (
-            tpot_theta[0] + tpot_theta[1] * z[1] + tpot_theta[2] * z[2] + tpot_theta[3] * z[3]
-            + tpot_theta[4] * z[4]
-        )  # fmt: skip
+        ttft = sum(t * x for t, x in zip(ttft_theta, f.ttft, strict=True))
+        tpot = sum(t * z for t, z in zip(tpot_theta, f.tpot, strict=True))
         return Prediction(ttft if ttft > MIN_MS else MIN_MS, tpot if tpot > MIN_MS else MIN_MS, f)
+
+    def estimate(
+        self,
+        state: EndpointState,
+        prompt_tokens: int,
+        prefix_match: float,
+        lora: str | None,
+        now: float,
+    ) -> tuple[float, float]:
+        """`predict`'s TTFT and TPOT (ms) without building the features: the scheduler's
+        hot path, once per candidate per decision (the same arithmetic, inlined)."""
+        if prefix_match <= 0.0:
+            u = prompt_tokens / 1000.0
+        elif prefix_match >= 1.0:
+            u = 0.0
+        else:
+            u = int(prompt_tokens * (1.0 - prefix_match)) / 1000.0
+        model = self.endpoints.get(state.endpoint.address)
+        in_flight = state.in_flight_requests
+        m = state.metrics
+        waiting = m.waiting
+        kv = m.kv_usage
+        backlog = 0.0
+        prefilling = 0
+        rate = 0.0
+        if model is None:
+            a = self.pool_ttft.theta
+            b = self.pool_tpot.theta
+        else:
+            a = model.ttft.theta if model.ttft.effective_n > 0.0 else self.pool_ttft.theta
+            b = model.tpot.theta if model.tpot.effective_n > 0.0 else self.pool_tpot.theta
+            if model.pending:
+                tokens, prefilling = model.load(now)
+                backlog = tokens / 1000.0
+            if model.recent_tokens > 0.0:
+                rate = model.recent_rate(now)
+        decoding = in_flight - prefilling if in_flight > prefilling else 0
+        prefill = u + backlog
+        ttft = (
+            a[0] + a[1] * u + a[2] * backlog + (a[3] + a[4] * prefill) * decoding
+            + a[5] * prefilling + a[6] * waiting + a[7] * kv
+        )  # fmt: skip
+        if lora is not None:
+            info = m.lora
+            if info is None or lora not in info.running:
+                ttft += a[8]
+        tpot = b[0] + b[1] * decoding + b[2] * prefill + b[3] * rate + b[4] * waiting + b[5] * kv
+        return (ttft if ttft > MIN_MS else MIN_MS, tpot if tpot > MIN_MS else MIN_MS)
 
     # -- writes (the gateway, outside scheduling) ---------------------------------------
     def dispatched(
@@ -233,7 +331,9 @@ class LatencyPredictor:
         self._next_key += 1
         key = self._next_key
         done_at = now + prediction.ttft_ms / 1000.0
-        model.pending[key] = (done_at, prediction.features.uncached_tokens, first_token)
+        tokens = prediction.features.uncached_tokens
+        model.pending[key] = (done_at, tokens, first_token)
+        model.sent(tokens, now)
         model.dispatched += 1
         return key
 
@@ -255,14 +355,15 @@ class LatencyPredictor:
         model = self.model(address)
         model.pending.pop(key, None)
         f = prediction.features
-        if ttft_ms is not None and ttft_ms > 0.0:
+        if ttft_ms is not None and ttft_ms >= MIN_LEARNED_MS:
             model.ttft_error.add(prediction.ttft_ms, ttft_ms)
             x = f.ttft
-            if uncached_tokens is not None:
-                x = (x[0], uncached_tokens / 1000.0, *x[2:])
+            if uncached_tokens is not None:  # the engine's count; the step term follows it
+                u = uncached_tokens / 1000.0
+                x = (*x[:1], u, x[2], x[3], x[3] * (u + x[2]), *x[5:])
             self.pool_ttft.observe(x, ttft_ms)
             model.ttft.observe(x, ttft_ms)
-        if tpot_ms is not None and tpot_ms > 0.0:
+        if tpot_ms is not None and tpot_ms >= MIN_LEARNED_MS:
             model.tpot_error.add(prediction.tpot_ms, tpot_ms)
             self.pool_tpot.observe(f.tpot, tpot_ms)
             model.tpot.observe(f.tpot, tpot_ms)
