@@ -187,7 +187,14 @@ async def replicas() -> AsyncIterator[dict[str, Replica]]:
 
 
 def config(reps: dict[str, Replica]) -> dict[str, Any]:
-    fast = {"scrape_interval_s": 0.05, "health": {"interval_s": 0.1, "timeout_s": 0.5}}
+    # quick to become ready, and slow to give up on a replica: on a loaded machine a late
+    # probe must not take an endpoint out between the two planes' runs
+    fast = {
+        "scrape_interval_s": 0.05,
+        "scrape_timeout_s": 5.0,
+        "metrics_staleness_s": 60.0,
+        "health": {"interval_s": 0.1, "timeout_s": 5.0, "failure_threshold": 100},
+    }
     return {
         "gateway": {"seed": 3, "port": 0, "debug_headers": True, "max_retries": 1},
         "outlier_detection": {"enabled": False},
