@@ -260,7 +260,7 @@ class _Connection(asyncio.Protocol):
         self._interim = False
         self._eof_body = False
         self._extra = False
-        self._keep_alive = False
+        self._keep_alive = True  # until an answer says otherwise: a fresh connection may pool
         self.closed = False
         self.paused = False
         self.reused = False
