@@ -34,12 +34,13 @@ from servegate.engines.registry import EngineRegistry
 from servegate.gateway.admission import GatewayAdmission, build_admission
 from servegate.gateway.cache_routing import CacheRouting, build_cache_routing
 from servegate.gateway.chat_template import ChatTemplateError
+from servegate.gateway.clients import transport_for
 from servegate.gateway.disagg import Disaggregator, build_disaggregator
 from servegate.gateway.latency import LatencyRouting
 from servegate.gateway.metrics import GatewayMetrics, PluginDurationCollector, with_aliases
 from servegate.gateway.proxy import Proxy
 from servegate.gateway.retry import RetryBudget
-from servegate.gateway.transport import UpstreamTransport, transport_for
+from servegate.gateway.transport import UpstreamTransport
 from servegate.gateway.triton import TritonTranslator
 from servegate.pool.discovery import Discovery, start_discovery
 from servegate.pool.pool import Pool

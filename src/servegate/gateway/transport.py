@@ -84,17 +84,6 @@ class UpstreamTransport(Protocol):
         ...
 
 
-def transport_for(client: str) -> UpstreamTransport:
-    """The transport `gateway.upstream_client` names."""
-    if client == "lean":
-        from servegate.gateway.lean_transport import LeanTransport
-
-        return LeanTransport()
-    if client == "aiohttp":
-        return AiohttpTransport()
-    raise ValueError(f"unknown upstream client {client!r}")
-
-
 class AiohttpTransport:
     """The request path's aiohttp client: no cookie jar (a replica's Set-Cookie is never
     replayed on other clients' requests), no automatic decompression (bodies are relayed
