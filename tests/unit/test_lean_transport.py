@@ -456,3 +456,21 @@ def test_the_config_names_the_request_path_client(client: str, kind: type | None
     )
     transport = build_gateway(config).transport
     assert isinstance(transport, kind or AiohttpTransport)
+
+
+async def test_idle_connections_are_closed_after_keepalive_s() -> None:
+    peers: list[object] = []
+    async with app_server(peers_app(peers)) as base:
+        transport = LeanTransport(keepalive_s=0.2)
+        transport.open()
+        try:
+            response = await post(transport, base + "/echo")
+            await read_all(response)
+            conn = response._conn
+            response.release()
+            assert conn is not None and not conn.closed
+            await asyncio.sleep(0.6)
+            assert conn.closed
+            assert next(iter(transport._origins.values())).idle == []
+        finally:
+            await transport.close()

@@ -483,7 +483,9 @@ class _Origin:
 class LeanTransport:
     """`UpstreamTransport` over pooled HTTP/1.1 connections (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keepalive_s: float = KEEPALIVE_S) -> None:
+        self._keepalive_s = keepalive_s
+        self._sweeper: asyncio.TimerHandle | None = None
         self._side = AiohttpTransport()
         self.session: aiohttp.ClientSession | None = None
         """For the calls beside the request path; open between `open()` and `close()`."""
@@ -492,17 +494,41 @@ class LeanTransport:
 
     def open(self) -> aiohttp.ClientSession:
         self._loop = asyncio.get_running_loop()
+        self._sweep()
         self.session = self._side.open()
         return self.session
+
+    def _sweep(self) -> None:
+        """Close connections idle past `keepalive_s`, every `keepalive_s`: after a burst the
+        pool would otherwise hold its peak of sockets (and file descriptors) for good."""
+        loop = self._loop
+        if loop is None:
+            return
+        limit = loop.time() - self._keepalive_s
+        for origin in self._origins.values():
+            idle = origin.idle  # oldest first: connections are appended as they go idle
+            stale = 0
+            while stale < len(idle) and idle[stale].idle_since < limit:
+                stale += 1
+            if stale:
+                gone, origin.idle = idle[:stale], idle[stale:]
+                for conn in gone:
+                    conn.abort()
+        self._sweeper = loop.call_later(self._keepalive_s, self._sweep)
 
     def adopt(self, session: aiohttp.ClientSession) -> None:
         """Use a session made elsewhere for the side calls (an embedding host's)."""
         self._loop = asyncio.get_running_loop()
+        if self._sweeper is None:
+            self._sweep()
         self._side.adopt(session)
         self.session = session
 
     async def close(self) -> None:
         self._loop = None
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         origins, self._origins = self._origins, {}
         for origin in origins.values():
             origin.idle.clear()
