@@ -61,14 +61,6 @@ class RoutingState:
         self._pieces[key] = (fingerprint, piece)
         return piece
 
-    def pieces(self, kind: str, cls: type[T]) -> dict[str, T]:
-        """Plugin name → its kept `kind` piece."""
-        return {
-            name: piece
-            for (k, name), (_, piece) in self._pieces.items()
-            if k == kind and isinstance(piece, cls)
-        }
-
     def subscribe(self, listener: InsertListener) -> None:
         """Call `listener` after every local approximate-prefix insertion (scale-out)."""
         if listener not in self._listeners:
