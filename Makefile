@@ -68,6 +68,7 @@ chromium:
 
 test: install lint prometheus kubectl chromium
 	$(PY) -m pytest
+	$(PY) -m pytest tests/hostile --upstream-client aiohttp  # the relay-facing suite on the other client
 
 bench-scheduler: install
 	$(PY) bench/bench_scheduler.py

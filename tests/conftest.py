@@ -2,9 +2,41 @@
 
 Hypothesis's per-example deadline measures wall time, which on a shared 2-core machine
 says more about the neighbours than about the code: properties are checked, speed is not.
+
+`--upstream-client lean|aiohttp` runs the suite with that request-path client as the
+default of `gateway.upstream_client` (configs that name one keep theirs; gateways started
+as subprocesses read their own config files and are not affected).
 """
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("servegate", deadline=None)
 settings.load_profile("servegate")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--upstream-client",
+        choices=("lean", "aiohttp"),
+        default=None,
+        help="the default gateway.upstream_client for in-process gateways",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    client = config.getoption("--upstream-client")
+    if client is None:
+        return
+    from servegate.config import GatewaySettings, ServegateConfig
+
+    GatewaySettings.model_fields["upstream_client"].default = client
+    GatewaySettings.model_rebuild(force=True)
+    ServegateConfig.model_fields["gateway"].default = GatewaySettings()
+    ServegateConfig.model_rebuild(force=True)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    from servegate.config import ServegateConfig
+
+    return f"gateway.upstream_client default: {ServegateConfig().gateway.upstream_client}"

@@ -106,6 +106,10 @@ class GatewaySettings(_Strict):
     the P/D prefill leg's answer get 502 (fallback) past it."""
     max_connections_per_client: int | None = Field(None, ge=1)
     """Open connections per client address; None = no limit besides `max_connections`."""
+    upstream_client: Literal["lean", "aiohttp"] = "lean"
+    """The request path's HTTP client to replicas: `lean` (pooled HTTP/1.1 on asyncio
+    protocols with httptools' parser, `gateway/lean_transport.py`) or aiohttp's. Read when
+    the gateway starts; a reload keeps the running one."""
 
 
 class TenantSettings(_Strict):

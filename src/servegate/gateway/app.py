@@ -33,6 +33,7 @@ from servegate.gateway.access_log import AccessLog
 from servegate.gateway.admin import add_admin_routes
 from servegate.gateway.admission import GatewayAdmission
 from servegate.gateway.cache_routing import CacheRouting
+from servegate.gateway.clients import transport_for
 from servegate.gateway.cluster_policy import apply_cluster_policy
 from servegate.gateway.connections import (
     CONNECTIONS,
@@ -71,7 +72,7 @@ from servegate.gateway.probes import ProbeServer
 from servegate.gateway.proxy import Proxy, forward_headers
 from servegate.gateway.retry import RetryBudget
 from servegate.gateway.tenants import Tenant, TenantTable
-from servegate.gateway.transport import AiohttpTransport, UpstreamTransport
+from servegate.gateway.transport import UpstreamTransport
 from servegate.gateway.ui import DecisionLog, add_ui_routes
 from servegate.pool.pool import Pool
 from servegate.scaleout.report import add_scaleout_routes
@@ -235,7 +236,7 @@ def build_gateway(
     """The gateway, complete: every pool's runtime is built (nothing is started).
     `transport`: how requests reach replicas (aiohttp unless a test gives another)."""
     metrics = GatewayMetrics()
-    transport = transport or AiohttpTransport()
+    transport = transport or transport_for(config.gateway.upstream_client)
     budget = RetryBudget(config.retries)
     runtimes, routing = build_runtimes(config, metrics, transport, budget, config_dir)
     snapshot = RoutingSnapshot(

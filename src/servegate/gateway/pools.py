@@ -34,12 +34,13 @@ from servegate.engines.registry import EngineRegistry
 from servegate.gateway.admission import GatewayAdmission, build_admission
 from servegate.gateway.cache_routing import CacheRouting, build_cache_routing
 from servegate.gateway.chat_template import ChatTemplateError
+from servegate.gateway.clients import transport_for
 from servegate.gateway.disagg import Disaggregator, build_disaggregator
 from servegate.gateway.latency import LatencyRouting
 from servegate.gateway.metrics import GatewayMetrics, PluginDurationCollector, with_aliases
 from servegate.gateway.proxy import Proxy
 from servegate.gateway.retry import RetryBudget
-from servegate.gateway.transport import AiohttpTransport, UpstreamTransport
+from servegate.gateway.transport import UpstreamTransport
 from servegate.gateway.triton import TritonTranslator
 from servegate.pool.discovery import Discovery, start_discovery
 from servegate.pool.pool import Pool
@@ -238,7 +239,7 @@ def build_runtime(
     cache = build_cache_routing(
         config.model_copy(update={"pool": settings}), state.pool, scheduler, registry
     )
-    transport = transport or AiohttpTransport()
+    transport = transport or transport_for(config.gateway.upstream_client)
     proxy = Proxy(transport, config.gateway, metrics, state.outlier, budget, triton, state.engines)
     disagg = build_disaggregator(
         config.gateway, config.disaggregation, scheduler.plugins, proxy, transport, state.pool,

@@ -4,8 +4,11 @@ replica and hands back its answer as an `UpstreamResponse` to read.
 `AiohttpTransport` is the real one (one aiohttp session for the whole request path,
 opened when the gateway starts); `servegate.testing.transport.InMemoryTransport` answers
 from scripted replies, so retries, the first-byte timeout and mid-stream failures are
-tested without sockets. A transport raises what aiohttp raises (`aiohttp.ClientError`,
-`OSError`, `TimeoutError`); the proxy translates those into `errors.py` types.
+tested without sockets; `servegate.gateway.lean_transport.LeanTransport` is the lean one
+(`gateway.upstream_client: lean`). A transport raises what aiohttp raises
+(`aiohttp.ClientError`, `OSError`, `TimeoutError`; mid-body: `aiohttp.ClientPayloadError`,
+`aiohttp.ServerDisconnectedError`, never `ConnectionResetError`, which means the client
+left); the proxy translates those into `errors.py` types.
 """
 
 from __future__ import annotations
