@@ -99,8 +99,7 @@ def test_the_cache_decision_matches_exhaustive_scoring(seed: int, filtered: bool
         scorer.index.insert(state.address, keys[: rng.randrange(1, len(keys))])
     short = _decide(scheduler, request, states, exhaustive=False)
     full = _decide(scheduler, request, states, exhaustive=True)
-    if not filtered:
-        assert scheduler.stats.shortlisted == 1
+    assert scheduler.stats.shortlisted == 1
     assert _held(scorer, request, short.endpoint) == _held(scorer, request, full.endpoint)
     assert _held(scorer, request, short.endpoint) > 0
 
@@ -134,6 +133,28 @@ def test_a_large_pool_scores_a_bounded_shortlist() -> None:
     decision = _decide(scheduler, _request(3), states, exhaustive=False)
     scored = len(decision.results["default"].totals)
     assert scheduler.sample_size <= scored <= scheduler.sample_size + scheduler.hint_limit * 2
+
+
+def test_a_preference_filter_chooses_within_the_shortlist(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The affinity filter matches the prompt against every endpoint it is given: in a large
+    pool it is given the shortlist (holders and sample), not all 1,000, and the holder wins."""
+    scheduler, states, scorer = _default(8)
+    affinity = scheduler.plugins["prefix-cache-affinity-filter"]
+    seen: list[int] = []
+    real = affinity.filter
+
+    def spy(cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]) -> object:
+        seen.append(len(endpoints))
+        return real(cycle, request, endpoints)
+
+    monkeypatch.setattr(affinity, "filter", spy)
+    request = _request(8)
+    holder = states[777]
+    scorer.index.insert(holder.address, scorer.block_keys(request))
+    decision = _decide(scheduler, request, states, exhaustive=False)
+    assert seen == [len(decision.results["default"].totals)]
+    assert seen[0] <= scheduler.sample_size + scheduler.hint_limit
+    assert decision.endpoint is holder
 
 
 class _CannotSay:

@@ -357,6 +357,13 @@ class Scheduler:
         """Endpoints a preference filter (`KEEPS_FALLBACKS`) removed: last-resort fallbacks."""
         t0 = perf_counter_ns()
         for flt in profile.filters:
+            prefers = getattr(flt, KEEPS_FALLBACKS, False)
+            if prefers and len(endpoints) > self.exhaustive_limit:
+                # a preference filter scores every endpoint it is given (the prefix
+                # affinity filter matches the prompt against each): in a large pool it
+                # chooses among the shortlist (the indexes' holders are on it), never
+                # empties it, and what it drops stays a fallback
+                endpoints = self._shortlist(profile, cycle, request, endpoints)
             before = endpoints
             if getattr(flt, IDENTITY_ONLY, False):
                 seen = memo.get(id(flt))
@@ -369,7 +376,7 @@ class Scheduler:
                 remembered = endpoints
             else:
                 endpoints = flt.filter(cycle, request, endpoints)
-            if getattr(flt, KEEPS_FALLBACKS, False):
+            if prefers:
                 if len(endpoints) < len(before):
                     kept = {s.address for s in endpoints}
                     spare = [*spare, *(s for s in before if s.address not in kept)]
