@@ -243,6 +243,8 @@ class NoHitLRUScorer:
         self.params = params
         self.prefix: Scorer | None = None
         self.lru: OrderedDict[str, None] = OrderedDict()
+        self._position: dict[str, int] | None = None
+        """address → place in `lru` (oldest 0), built once per LRU change."""
         self._state_key = f"no-hit-lru/{name}"
 
     @classmethod
@@ -275,13 +277,16 @@ class NoHitLRUScorer:
             return [0.5] * n
         if n == 1:
             return [1.0]
-        position = {address: i for i, address in enumerate(self.lru)}
-        never = [s for s in endpoints if s.address not in position]
-        used = sorted(
-            (s for s in endpoints if s.address in position), key=lambda s: position[s.address]
-        )
-        ranks = {s.address: i for i, s in enumerate([*never, *used])}
-        return [1.0 - ranks[s.address] / (n - 1) for s in endpoints]
+        position = self._position
+        if position is None:  # rebuilt only after an LRU change, not per decision
+            position = self._position = {address: i for i, address in enumerate(self.lru)}
+        order = [position.get(s.endpoint.address, -1) for s in endpoints]
+        ranked = sorted(range(n), key=order.__getitem__)  # stable: never-given first, in order
+        step = 1.0 / (n - 1)
+        scores = [0.0] * n
+        for rank, i in enumerate(ranked):
+            scores[i] = 1.0 - rank * step
+        return scores
 
     def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None:
         if not request.cache.pop(self._state_key, False):
@@ -292,6 +297,7 @@ class NoHitLRUScorer:
             targets.append(decision.prefill.address)
         elif prefill is not None and prefill.ranked:
             targets.append(prefill.ranked[0].address)
+        self._position = None
         for address in targets:
             self.lru.pop(address, None)
             self.lru[address] = None

@@ -30,7 +30,7 @@ from servegate.scheduling.prefix.hashing import (
     keyed_seed,
     token_block_hashes,
 )
-from servegate.scheduling.prefix.lookup import find_prefix_producer, prefix_scores
+from servegate.scheduling.prefix.lookup import already_scored, find_prefix_producer, prefix_scores
 from servegate.scheduling.request import LLMRequest
 from servegate.scheduling.routing_state import APPROX_INDEX, RoutingState, routing_state
 
@@ -297,6 +297,9 @@ class PrefixCacheScorer:
     ) -> Sequence[float]:
         if self.producer is not None:
             return prefix_scores(cycle, self.producer.source, request, endpoints)
+        known = already_scored(cycle, self.name, endpoints)
+        if known is not None:
+            return known
         keys = self.block_keys(request)
         if not keys:
             return [0.0] * len(endpoints)

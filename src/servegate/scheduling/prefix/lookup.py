@@ -106,6 +106,24 @@ def find_prefix_scorer(
     )
 
 
+def already_scored(
+    cycle: CycleState, name: str, endpoints: list[EndpointState]
+) -> list[float] | None:
+    """The scores `prefix_scores` already computed this cycle for scorer `name`, when it
+    covered every one of `endpoints` (a filter asked first: the scorer need not match the
+    prompt again); else None."""
+    cached: dict[str, float] | None = cycle.data.get(f"prefix-scores/{name}")
+    if cached is None:
+        return None
+    out: list[float] = []
+    for state in endpoints:
+        score = cached.get(state.endpoint.address)
+        if score is None:
+            return None
+        out.append(score)
+    return out
+
+
 def prefix_scores(
     cycle: CycleState, scorer: Scorer, request: LLMRequest, endpoints: list[EndpointState]
 ) -> Sequence[float]:
