@@ -10,7 +10,7 @@ from servegate.config import ServegateConfig
 from servegate.gateway.metrics import GatewayMetrics
 from servegate.gateway.pools import PoolRuntime, build_runtime
 from servegate.pool.endpoint import EndpointState
-from servegate.scheduling.affinity import SessionAffinityScorer
+from servegate.scheduling.affinity import NoHitLRUScorer, SessionAffinityScorer
 from servegate.scheduling.framework import CycleState, Decision
 from servegate.scheduling.prefix.approx import PrefixCacheScorer
 from servegate.scheduling.prefix.events import BlockStored, EventBatch
@@ -108,6 +108,28 @@ def test_a_picker_reload_keeps_prefix_indexes_and_session_bindings_and_routes_on
         assert route(second, request(prompt), seed, now=3.0).endpoint.address == learned
         other_prompt = request(f"turn {seed} " * 40, **{"x-session-id": "u1"})
         assert route(second, other_prompt, seed, now=3.0).endpoint.address == session_address
+
+
+def test_a_picker_reload_keeps_where_cold_requests_went() -> None:
+    """The default profile's no-hit-lru: after a reload, the next cold request still goes to
+    the replica least recently given one, not back to the first in candidate order."""
+
+    def with_lru(queue_weight: float) -> dict[str, Any]:
+        doc = picker(queue_weight)
+        doc["plugins"].append({"type": "no-hit-lru-scorer"})
+        doc["schedulingProfiles"][0]["plugins"].insert(0, {"pluginRef": "no-hit-lru-scorer"})
+        return doc
+
+    first = runtime(with_lru(1))
+    given = [
+        route(first, request(f"cold {i} " * 40), seed=i, now=1.0).endpoint.address for i in range(2)
+    ]
+    assert len(set(given)) == 2
+    second = runtime(with_lru(2), previous=(first,))
+    assert plugin(second, NoHitLRUScorer) is not plugin(first, NoHitLRUScorer)
+    assert list(plugin(second, NoHitLRUScorer).lru) == given
+    (never,) = set(ADDRESSES) - set(given)
+    assert route(second, request("cold 9 " * 40), seed=9, now=2.0).endpoint.address == never
 
 
 def test_the_kv_event_manager_feeds_the_pools_own_precise_index() -> None:

@@ -41,6 +41,7 @@ from servegate.scheduling.prefix.lookup import (
 )
 from servegate.scheduling.request import LLMRequest
 from servegate.scheduling.routing_state import (
+    NO_HIT_PLACEMENTS,
     SESSION_BINDINGS,
     RoutingState,
     routing_state,
@@ -227,6 +228,34 @@ class NoHitLRUParameters(Parameters):
     lru_size: int = Field(1024, alias="lruSize", ge=1)
 
 
+class RecentPlacements:
+    """Which replicas were given cold requests, least recent first: pool state (kept by
+    `RoutingState` across picker reloads), read and written by `no-hit-lru-scorer`."""
+
+    __slots__ = ("_position", "capacity", "lru")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.lru: OrderedDict[str, None] = OrderedDict()
+        self._position: dict[str, int] | None = None
+
+    def position(self) -> dict[str, int]:
+        """address → place in `lru` (oldest 0), rebuilt only after a change."""
+        position = self._position
+        if position is None:
+            position = self._position = {address: i for i, address in enumerate(self.lru)}
+        return position
+
+    def touch(self, address: str) -> None:
+        """`address` was just given a cold request."""
+        self._position = None
+        lru = self.lru
+        lru.pop(address, None)
+        lru[address] = None
+        while len(lru) > self.capacity:
+            lru.popitem(last=False)
+
+
 class NoHitLRUScorer:
     """`no-hit-lru-scorer`: cold requests to the replica least recently given one.
 
@@ -238,18 +267,29 @@ class NoHitLRUScorer:
 
     type: ClassVar[str] = "no-hit-lru-scorer"
 
-    def __init__(self, name: str, params: NoHitLRUParameters) -> None:
+    def __init__(
+        self, name: str, params: NoHitLRUParameters, routing: RoutingState | None = None
+    ) -> None:
         self.name = name
         self.params = params
         self.prefix: Scorer | None = None
-        self.lru: OrderedDict[str, None] = OrderedDict()
-        self._position: dict[str, int] | None = None
-        """address → place in `lru` (oldest 0), built once per LRU change."""
+        self.placements = (routing or RoutingState()).shared(
+            NO_HIT_PLACEMENTS,
+            name,
+            str(params.lru_size),
+            RecentPlacements,
+            lambda: RecentPlacements(params.lru_size),
+        )
         self._state_key = f"no-hit-lru/{name}"
+
+    @property
+    def lru(self) -> OrderedDict[str, None]:
+        return self.placements.lru
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
-        return cls(name, decode_parameters(NoHitLRUParameters, cls.type, name, parameters))
+        params = decode_parameters(NoHitLRUParameters, cls.type, name, parameters)
+        return cls(name, params, routing_state(ctx))
 
     def bind_plugins(self, plugins: Mapping[str, Plugin]) -> None:
         p = self.params
@@ -277,9 +317,7 @@ class NoHitLRUScorer:
             return [0.5] * n
         if n == 1:
             return [1.0]
-        position = self._position
-        if position is None:  # rebuilt only after an LRU change, not per decision
-            position = self._position = {address: i for i, address in enumerate(self.lru)}
+        position = self.placements.position()
         order = [position.get(s.endpoint.address, -1) for s in endpoints]
         ranked = sorted(range(n), key=order.__getitem__)  # stable: never-given first, in order
         step = 1.0 / (n - 1)
@@ -297,12 +335,8 @@ class NoHitLRUScorer:
             targets.append(decision.prefill.address)
         elif prefill is not None and prefill.ranked:
             targets.append(prefill.ranked[0].address)
-        self._position = None
         for address in targets:
-            self.lru.pop(address, None)
-            self.lru[address] = None
-            while len(self.lru) > self.params.lru_size:
-                self.lru.popitem(last=False)
+            self.placements.touch(address)
 
 
 # -- session-affinity-scorer ------------------------------------------------------------------

@@ -30,6 +30,7 @@ ROUTING_STATE_SERVICE = "routing-state"
 APPROX_INDEX = "approx-prefix-index"
 PRECISE_INDEX = "precise-prefix-index"
 SESSION_BINDINGS = "session-bindings"
+NO_HIT_PLACEMENTS = "no-hit-placements"
 
 InsertListener = Callable[[str, str, Sequence[int], int | None], None]
 """`listener(plugin name, address, keys, capacity)` after a routing decision inserts
