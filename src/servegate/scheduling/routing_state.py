@@ -1,4 +1,5 @@
-"""A pool's learned routing state: prefix indexes and session bindings, with one owner.
+"""A pool's learned routing state: prefix indexes, session bindings and no-hit-lru's cold
+placements, with one owner.
 
 What the prefix scorers and session affinity learn (what was routed where, which blocks
 each replica holds, which session sticks to which replica) belongs to the pool, not to
