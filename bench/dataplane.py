@@ -43,7 +43,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,9 +55,12 @@ from pathlib import Path
 import orjson
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from gateway_overhead import free_port, process_tree_cpu_s  # noqa: E402 (bench/ on sys.path)
+
 LOOPBACK = "127.0.0.1"
 MODEL = "fast"
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 NOISE_SPREAD = 0.15
 SATURATED = 0.90
 PEERS = ("vllm-router", "sglang-router")
@@ -297,39 +299,6 @@ def markdown(rows: Sequence[Row]) -> str:
 
 
 # -- processes --------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((LOOPBACK, 0))
-        return int(probe.getsockname()[1])
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return raw[raw.rindex(")") + 2 :].split()
-
-
-def process_tree_cpu_s(root: int) -> float:
-    """utime + stime of `root` and its live descendants, in seconds."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            fields = _stat_fields(int(entry.name))
-            if fields is not None:
-                children.setdefault(int(fields[1]), []).append(int(entry.name))
-    ticks = 0
-    pending = [root]
-    while pending:
-        pid = pending.pop()
-        fields = _stat_fields(pid)
-        if fields is not None:
-            ticks += int(fields[11]) + int(fields[12])
-            pending.extend(children.get(pid, ()))
-    return ticks / CLOCK_TICKS
 
 
 @dataclass
