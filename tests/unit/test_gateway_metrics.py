@@ -123,7 +123,9 @@ def test_streams_observe_the_gap_between_every_two_chunks_relayed() -> None:
     done = record(ttft_ms=50.0, completion_tokens=4, stream=True)
     for at in (10.0, 10.02, 10.05, 10.15):  # first chunk, then gaps of 20, 30 and 100 ms
         done.relayed(at)
-    assert done.itl_s == pytest.approx([0.02, 0.03, 0.1])
+    assert done.itl is not None
+    assert done.itl.count == 3
+    assert done.itl.sum == pytest.approx(0.15)
     metrics.finish(series, done, 0.2, 10, None)
     labels = {"model_name": "m", "target_model_name": "m", "fairness_id": "t", "priority": "0"}
     name = "llm_d_epp_request_streaming_itl_seconds"
@@ -135,7 +137,17 @@ def test_streams_observe_the_gap_between_every_two_chunks_relayed() -> None:
     unary.relayed(1.0)
     metrics.finish(series, unary, 0.2, 10, None)
     assert value(metrics, f"{name}_count", **labels) == 3.0
-    assert "_itl_s" not in orjson.loads(orjson.dumps(done))  # not in the access log
+    assert "_itl" not in orjson.loads(orjson.dumps(done))  # not in the access log
+
+
+def test_a_long_stream_keeps_a_fixed_number_of_itl_counters() -> None:
+    """A stream of any length holds one counter per bucket, not one float per chunk."""
+    long = record(ttft_ms=50.0, completion_tokens=4, stream=True)
+    for chunk in range(100_000):
+        long.relayed(10.0 + chunk * 0.01)
+    assert long.itl is not None
+    assert long.itl.count == 99_999
+    assert len(long.itl.counts) == len(long.itl.bounds) + 1
 
 
 def test_pd_decisions_are_counted_under_every_llm_d_name() -> None:

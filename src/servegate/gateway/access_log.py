@@ -16,6 +16,8 @@ from typing import IO, Any
 
 import orjson
 
+from servegate.gateway.histogram import TPOT_BUCKETS, Buckets
+
 LOG_FIELD_CHARS = 256
 """Client-supplied strings (model names, error echoes) are cut to this in the access log."""
 CLIPPED_FIELDS = ("model", "target_model", "error", "prefill_error", "path")
@@ -64,25 +66,25 @@ class AccessRecord:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     _relayed_at: float = 0.0
-    _itl_s: list[float] | None = None
-    """Gaps between response chunks relayed (not logged: orjson skips `_` fields)."""
+    _itl: Buckets | None = None
+    """Gaps between response chunks relayed, bucketed as the ITL histogram counts them
+    (not logged: orjson skips `_` fields)."""
 
     def relayed(self, now: float) -> None:
-        """A response chunk went to the client at `now` (monotonic): note the gap since
+        """A response chunk went to the client at `now` (monotonic): count the gap since
         the previous one (`llm_d_epp_request_streaming_itl_seconds`)."""
         last = self._relayed_at
         self._relayed_at = now
         if last:
-            gaps = self._itl_s
+            gaps = self._itl
             if gaps is None:
-                self._itl_s = [now - last]
-            else:
-                gaps.append(now - last)
+                gaps = self._itl = Buckets(TPOT_BUCKETS)
+            gaps.observe(now - last)
 
     @property
-    def itl_s(self) -> list[float]:
-        """The inter-chunk gaps of the relayed response, in seconds."""
-        return self._itl_s or []
+    def itl(self) -> Buckets | None:
+        """The inter-chunk gaps of the relayed response; None before a second chunk."""
+        return self._itl
 
 
 class AccessLog:

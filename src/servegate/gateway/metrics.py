@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import time
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -38,6 +37,7 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString as _go_float
 
 from servegate import __version__
+from servegate.gateway.histogram import TPOT_BUCKETS, Buckets
 
 if TYPE_CHECKING:
     from servegate.gateway.access_log import AccessRecord
@@ -52,10 +52,6 @@ LATENCY_BUCKETS = (
 TTFT_BUCKETS = (
     0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5, 6, 8, 10,
     15, 20, 30, 45, 60, 120,
-)  # fmt: skip
-TPOT_BUCKETS = (
-    0.0005, 0.00205, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.125, 0.15, 0.2, 0.3, 0.4,
-    0.5, 0.6, 0.8, 1, 2,
 )  # fmt: skip
 NTPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 INPUT_TOKEN_BUCKETS = (
@@ -129,21 +125,6 @@ class Value:
 
     def set(self, value: float) -> None:
         self.value = value
-
-
-class Buckets:
-    """One histogram child: a count per bucket (not cumulative) and the sum."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
 
 
 class Family(Collector):
@@ -813,9 +794,9 @@ class GatewayMetrics:
             if record.stream and ttft_ms is not None and output > 1:
                 series.streaming_tpot.observe((elapsed_s - ttft_ms / 1000.0) / (output - 1))
         if record.stream:
-            observe = series.streaming_itl.observe
-            for gap in record.itl_s:
-                observe(gap)
+            gaps = record.itl
+            if gaps is not None:
+                series.streaming_itl.merge(gaps)
 
     def pd_decision(self, model: str, decision_type: str) -> None:
         """One prefill/decode decision, counted under each of llm-d's names for it."""
