@@ -26,6 +26,7 @@ from pydantic import (
 from servegate.datalayer.health import HealthSettings
 from servegate.datalayer.kvevents.settings import KVEventsSettings
 from servegate.datalayer.outlier import OutlierDetectionSettings
+from servegate.datalayer.scraper import ScrapeSettings
 from servegate.pool.discovery.settings import DiscoverySettings, StaticDiscoverySettings
 from servegate.pool.endpoint import Endpoint, Role
 from servegate.scaleout.settings import ScaleOutSettings
@@ -210,14 +211,14 @@ class ModelDeclaration(_Strict):
     None = the tokenizer folder's template, else ChatML (docs/backends.md)."""
 
 
-class PoolSettings(_Strict):
+class PoolSettings(_Strict, ScrapeSettings):
+    """One pool; its scrape settings (`scrape_interval_s`, `scrape_timeout_s`) are
+    `ScrapeSettings`' fields, written flat on the pool."""
+
     name: str = "default"
     endpoints: tuple[EndpointConfig, ...] = ()
     models: tuple[ModelDeclaration, ...] = ()
     """Models (and LoRA adapters with their `parent`) known before any replica answers."""
-    scrape_interval_s: float = Field(0.1, ge=0.05)
-    scrape_timeout_s: PositiveFloat | None = None
-    """None = max(1 s, 5 x the interval)."""
     metrics_staleness_s: PositiveFloat = 2.0
     health: HealthSettings = HealthSettings()
     engines: tuple[dict[str, Any], ...] = ()

@@ -126,7 +126,9 @@ def test_scraper_view_equals_engine_page(cluster: VllmCluster) -> None:
 
     async def scrape() -> bool:
         async with aiohttp.ClientSession() as session:
-            scraper = Scraper(pool, session, endpoint, MetricsParser(SPEC), ScrapeSettings(1.0))
+            scraper = Scraper(
+                pool, session, endpoint, MetricsParser(SPEC), ScrapeSettings(scrape_interval_s=1.0)
+            )
             return await scraper.scrape_once()
 
     with held(server) as before:

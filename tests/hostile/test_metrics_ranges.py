@@ -35,7 +35,7 @@ from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.testing.endpoints import endpoint_state
 
 VLLM = builtin_engines()["vllm"]
-SETTINGS = ScrapeSettings(interval=0.05, timeout=1.0)
+SETTINGS = ScrapeSettings(scrape_interval_s=0.05, scrape_timeout_s=1.0)
 
 
 def page(waiting: str, running: str, kv: str) -> str:

@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from servegate.config import ConfigError, env_overrides, load_config, parse_config
+from servegate.datalayer.scraper import ScrapeSettings
 from servegate.pool.endpoint import Role
 
 
@@ -38,6 +39,21 @@ pool:
     )
     second = cfg.pool.endpoints[1].to_endpoint("p")
     assert (second.engine, second.role, second.model) == ("vllm", Role.DECODE, "tiny")
+
+
+def test_a_pools_flat_scrape_fields_are_the_scrapers_settings() -> None:
+    """The data layer reads the pool's settings as they are: no copy to drift from."""
+    cfg = parse_config(
+        "pools:\n- {name: a, scrape_interval_s: 0.5}\n- {name: b, scrape_timeout_s: 0.2}\n",
+        environ={},
+    )
+    a, b = (entry.base() for entry in cfg.pool_entries())
+    assert isinstance(a, ScrapeSettings)
+    assert (a.effective_timeout, b.effective_timeout) == (2.5, 0.2)  # 5 x 0.5; as written
+    assert (
+        parse_config("", environ={"SERVEGATE_POOL__SCRAPE_TIMEOUT_S": "3"}).pool.effective_timeout
+        == 3.0
+    )
 
 
 def test_env_overrides_nest_and_parse_scalars() -> None:

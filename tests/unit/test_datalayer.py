@@ -12,7 +12,7 @@ from servegate.engines import EngineRegistry
 from servegate.pool.endpoint import Endpoint
 from servegate.pool.pool import Pool
 
-FAST_SCRAPE = ScrapeSettings(interval=0.05, timeout=0.3)
+FAST_SCRAPE = ScrapeSettings(scrape_interval_s=0.05, scrape_timeout_s=0.3)
 FAST_HEALTH = HealthSettings(interval_s=0.05, timeout_s=0.3)
 MODELS: list[dict[str, object]] = [{"id": "tiny", "parent": None}]
 IN_FLIGHT = 2
@@ -74,7 +74,7 @@ async def test_follows_pool_membership(
     finally:
         await layer.stop()
     assert layer.watched() == []
-    await asyncio.sleep(10 * FAST_SCRAPE.interval)
+    await asyncio.sleep(10 * FAST_SCRAPE.scrape_interval_s)
     late = polls(second) - landed
     assert late <= IN_FLIGHT, f"stop() ends every task ({late} late probes)"
 

@@ -168,7 +168,7 @@ def test_components_define_their_settings_and_config_imports_them(
     graph: dict[str, set[str]],
 ) -> None:
     """Settings are defined once, beside the component that reads them (health checks,
-    KV events, outlier detection, tokenisation, flow control); config.py imports them, so
+    metrics scrapes, KV events, outlier detection, tokenisation, flow control); config.py imports them, so
     no component imports config.py."""
     components = ("servegate.datalayer", "servegate.tokenization", "servegate.scheduling")
     offenders = sorted(
@@ -181,6 +181,7 @@ def test_components_define_their_settings_and_config_imports_them(
         "servegate.datalayer.health",
         "servegate.datalayer.kvevents.settings",
         "servegate.datalayer.outlier",
+        "servegate.datalayer.scraper",
         "servegate.tokenization.settings",
     } <= graph["servegate.config"]
 

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 from fake_replica import FakeReplica, fixture_page, wait_until
+from pydantic import ValidationError
 
 from servegate.datalayer.metrics_parser import MetricsParser, ParseResult
 from servegate.datalayer.scraper import Scraper, ScrapeSettings, ScrapeStats
@@ -15,7 +16,7 @@ from servegate.pool.endpoint import Endpoint
 from servegate.pool.pool import Pool
 
 ENGINES = builtin_engines()
-FAST = ScrapeSettings(interval=0.05, timeout=0.3)
+FAST = ScrapeSettings(scrape_interval_s=0.05, scrape_timeout_s=0.3)
 
 
 @pytest.fixture
@@ -36,11 +37,19 @@ def make_scraper(
     session: aiohttp.ClientSession,
     engine: str = "vllm",
     settings: ScrapeSettings = FAST,
+    max_body_bytes: int = 16 * 1024 * 1024,
 ) -> tuple[Pool, Scraper]:
     pool = Pool(staleness=0.2)
     endpoint = Endpoint(replica.address, replica.url, engine=engine)
     pool.add(endpoint)
-    return pool, Scraper(pool, session, endpoint, MetricsParser(ENGINES[engine]), settings)
+    return pool, Scraper(
+        pool,
+        session,
+        endpoint,
+        MetricsParser(ENGINES[engine]),
+        settings,
+        max_body_bytes=max_body_bytes,
+    )
 
 
 @contextlib.asynccontextmanager
@@ -174,9 +183,7 @@ async def test_server_restart_on_the_same_port(
 
 
 async def test_body_over_the_limit(replica: FakeReplica, session: aiohttp.ClientSession) -> None:
-    _, scraper = make_scraper(
-        replica, session, settings=ScrapeSettings(interval=0.05, max_body_bytes=1000)
-    )
+    _, scraper = make_scraper(replica, session, max_body_bytes=1000)
     assert not await scraper.scrape_once()
     assert scraper.stats.failures == {"too_large": 1}
 
@@ -228,14 +235,21 @@ async def test_scrape_of_a_removed_endpoint_is_harmless(
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        pytest.param({"interval": 0.01}, "at least 0.05", id="interval-too-small"),
-        pytest.param({"timeout": 0.0}, "timeout must be positive", id="zero-timeout"),
-        pytest.param({"max_body_bytes": 0}, "max_body_bytes", id="zero-limit"),
+        pytest.param(
+            {"scrape_interval_s": 0.01}, "greater than or equal to 0.05", id="interval-too-small"
+        ),
+        pytest.param({"scrape_timeout_s": 0.0}, "greater than 0", id="zero-timeout"),
+        pytest.param({"scrape_every": 1.0}, "Extra inputs are not permitted", id="unknown-key"),
     ],
 )
 def test_settings_validation(kwargs: dict[str, float], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        ScrapeSettings(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match=message):
+        ScrapeSettings.model_validate(kwargs)
+
+
+def test_a_zero_body_limit_is_refused(replica: FakeReplica, session: aiohttp.ClientSession) -> None:
+    with pytest.raises(ValueError, match="max_body_bytes must be positive"):
+        make_scraper(replica, session, max_body_bytes=0)
 
 
 @pytest.mark.parametrize(
@@ -247,4 +261,7 @@ def test_settings_validation(kwargs: dict[str, float], message: str) -> None:
     ],
 )
 def test_effective_timeout(interval: float, timeout: float | None, effective: float) -> None:
-    assert ScrapeSettings(interval=interval, timeout=timeout).effective_timeout == effective
+    assert (
+        ScrapeSettings(scrape_interval_s=interval, scrape_timeout_s=timeout).effective_timeout
+        == effective
+    )

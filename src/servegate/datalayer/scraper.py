@@ -1,6 +1,6 @@
 """Periodic `/metrics` scrapes that keep each endpoint's `EndpointMetrics` fresh.
 
-One task per endpoint GETs the engine's metrics URL every `interval` seconds over
+One task per endpoint GETs the engine's metrics URL every `scrape_interval_s` seconds over
 the shared `aiohttp.ClientSession`, parses the families the engine spec needs and
 writes the result to the pool with `scraped_at = time.monotonic()`. A failed
 scrape writes nothing: the previous metrics stay and age, and the scheduler's
@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
+from pydantic import BaseModel, ConfigDict, Field
 
 from servegate.datalayer.metrics_parser import MetricsParser, ParseResult
 from servegate.pool.endpoint import Endpoint
@@ -42,31 +43,28 @@ report (a negative or absurdly large queue, KV usage outside [0, 1]: `servegate.
 so the page is not believed; `error` = a bug, logged with a traceback."""
 
 _ERROR_LOG_EVERY = 60.0
+MAX_BODY_BYTES = 16 * 1024 * 1024
+"""A larger metrics page is a failure (`too_large`)."""
 
 
-@dataclass(frozen=True, slots=True)
-class ScrapeSettings:
-    interval: float = 0.1
-    """Seconds between scrape starts (at least 0.05)."""
-    timeout: float | None = None
-    """Seconds one scrape may take; None = max(1.0, 5 x interval). Real vLLM on a busy CPU
-    answers /metrics in over 0.5 s while it streams, so a tighter default loses scrapes."""
-    max_body_bytes: int = 16 * 1024 * 1024
-    """A larger page is a failure (`too_large`)."""
+class ScrapeSettings(BaseModel):
+    """Metrics scraping, defined once: the pool's `scrape_interval_s` and `scrape_timeout_s`
+    in the config are these fields (config.py's `PoolSettings` extends this model, so the
+    YAML keeps them flat on the pool) and the scraper reads them as they are."""
 
-    def __post_init__(self) -> None:
-        if not self.interval >= MIN_INTERVAL:
-            raise ValueError(
-                f"scrape interval must be at least {MIN_INTERVAL} s, got {self.interval}"
-            )
-        if self.timeout is not None and not self.timeout > 0:
-            raise ValueError(f"scrape timeout must be positive, got {self.timeout}")
-        if self.max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    scrape_interval_s: float = Field(0.1, ge=MIN_INTERVAL)
+    """Seconds between scrape starts, per endpoint (at least 0.05)."""
+    scrape_timeout_s: float | None = Field(None, gt=0)
+    """Seconds one scrape may take; None = max(1 s, 5 x the interval). Real vLLM on a busy
+    CPU answers /metrics in over 0.5 s while it streams, so a tighter default loses scrapes."""
 
     @property
     def effective_timeout(self) -> float:
-        return self.timeout if self.timeout is not None else max(1.0, 5 * self.interval)
+        if self.scrape_timeout_s is not None:
+            return self.scrape_timeout_s
+        return max(1.0, 5 * self.scrape_interval_s)
 
 
 @dataclass(slots=True)
@@ -110,12 +108,16 @@ class Scraper:
         settings: ScrapeSettings | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
         self.pool = pool
         self.session = session
         self.endpoint = endpoint
         self.parser = parser
         self.settings = settings or ScrapeSettings()
+        self.max_body_bytes = max_body_bytes
         self.url = parser.spec.metrics_url(endpoint)
         self.stats = ScrapeStats()
         self._clock = clock
@@ -153,9 +155,9 @@ class Scraper:
         return True
 
     async def run(self) -> None:
-        """Scrape every `interval` until cancelled; nothing but cancellation ends it."""
+        """Scrape every `scrape_interval_s` until cancelled; nothing but cancellation ends it."""
         loop = asyncio.get_running_loop()
-        interval = self.settings.interval
+        interval = self.settings.scrape_interval_s
         await asyncio.sleep(random.uniform(0.0, interval))
         deadline = loop.time()
         while True:
@@ -183,7 +185,7 @@ class Scraper:
             ) as response:
                 if response.status != 200:
                     raise FetchError(HTTP_STATUS, f"HTTP {response.status}")
-                body = await read_limited(response, self.settings.max_body_bytes)
+                body = await read_limited(response, self.max_body_bytes)
         except TimeoutError as exc:
             raise FetchError(TIMEOUT, f"no answer in {self._timeout.total} s") from exc
         except (aiohttp.ClientError, OSError) as exc:

@@ -28,7 +28,7 @@ from servegate.config import (
     ServegateConfig,
     read_picker,
 )
-from servegate.datalayer import DataLayer, ScrapeSettings
+from servegate.datalayer import DataLayer
 from servegate.datalayer.outlier import OutlierDetectionSettings, OutlierDetector
 from servegate.engines.registry import EngineRegistry
 from servegate.gateway.admission import GatewayAdmission, build_admission
@@ -103,9 +103,7 @@ def build_pool_datalayer(
         pool,
         session,
         engines,
-        scrape=ScrapeSettings(
-            interval=settings.scrape_interval_s, timeout=settings.scrape_timeout_s
-        ),
+        scrape=settings,
         health=settings.health,
     )
 
