@@ -14,7 +14,6 @@ import zmq
 
 from servegate.curve import create_keys
 from servegate.scaleout.bus import new_socket
-from servegate.scaleout.report import SCALEOUT
 from servegate.scaleout.wiring import ScaleOut
 from servegate.scheduling.prefix.approx import PrefixCacheScorer
 from servegate.testing.cluster import SimCluster
@@ -26,7 +25,7 @@ PROMPT = "the quick brown fox jumps over the lazy dog " * 20
 
 
 def scaleout(gw: GatewayRunner) -> ScaleOut:
-    current = gw.app[SCALEOUT].current
+    current = gw.running.scaleout
     assert current is not None
     return current
 

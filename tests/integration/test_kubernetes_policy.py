@@ -19,7 +19,7 @@ import yaml
 from servegate.config import parse_config
 from servegate.extproc.server import ExtProcServer
 from servegate.gateway.app import build_gateway
-from servegate.gateway.reload import ConfigReloader, ConfigSource
+from servegate.gateway.reload import ConfigSource
 from servegate.testing.cluster import SimCluster
 from servegate.testing.gateway import GatewayRunner
 from servegate.testing.kubeapi import FakeKubeApi
@@ -60,11 +60,11 @@ async def api() -> AsyncIterator[FakeKubeApi]:
 
 @contextlib.asynccontextmanager
 async def serving(
-    api: FakeKubeApi, config: dict[str, Any], port: int
+    api: FakeKubeApi, config: dict[str, Any], port: int, source: ConfigSource | None = None
 ) -> AsyncIterator[tuple[GatewayRunner, aiohttp.ClientSession]]:
     async with (
         SimCluster(1, base=FAST_SIM, overrides=[{"host": "127.0.0.2", "port": port}]),
-        GatewayRunner(config) as gw,
+        GatewayRunner(config, source=source) as gw,
         aiohttp.ClientSession() as session,
     ):
         api.add_pod("sim-a", "127.0.0.2", APP, ready=True)
@@ -133,8 +133,8 @@ async def test_a_config_reload_keeps_the_clusters_objects(api: FakeKubeApi, tmp_
     config = gateway_config(api.write_kubeconfig(tmp_path / "kc"), port)
     path = tmp_path / "servegate.yaml"
     path.write_text(yaml.safe_dump(config))
-    async with serving(api, config, port) as (gw, session):
-        reloader = ConfigReloader(gw.gateway, ConfigSource(path))
+    async with serving(api, config, port, ConfigSource(path)) as (gw, session):
+        reloader = gw.reloader
         await wait_for(lambda: "public-name" in gw.gateway.routing.splits, 1.0, "rewrite read")
         config["flow_control"] = {"enabled": True}  # rebuilds admission and routing
         path.write_text(yaml.safe_dump(config))

@@ -82,8 +82,7 @@ async def post(
 async def freeze_busy(gw: GatewayRunner) -> None:
     """Stop the data layer and make every endpoint look busy and warm (not idle, not cold)."""
     runtime = gw.gateway.default
-    assert runtime.state.datalayer is not None
-    await runtime.state.datalayer.stop()
+    await gw.running.feeds[runtime.state].datalayer.stop()
     for state in runtime.pool:
         runtime.pool.set_metrics(state.address, replace(state.metrics, kv_usage=0.5))
         runtime.pool.acquire(state, 0)

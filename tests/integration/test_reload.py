@@ -15,8 +15,7 @@ import pytest
 import yaml
 
 from servegate.config import parse_config
-from servegate.gateway.app import Gateway
-from servegate.gateway.reload import ConfigReloader, ConfigSource
+from servegate.gateway.reload import ConfigSource, Reloader
 from servegate.gateway.server import serve_until_stopped
 from servegate.testing.cluster import SimCluster
 from servegate.testing.gateway import GatewayRunner
@@ -96,7 +95,7 @@ class Load:
         await wait_for(lambda: len(self.results) >= target, timeout=10, what=f"{n} more requests")
 
 
-async def _trigger(how: str, gw: GatewayRunner, reloader: ConfigReloader) -> None:
+async def _trigger(how: str, gw: GatewayRunner, reloader: Reloader) -> None:
     if how == "call":
         assert (await reloader.reload()).ok
     elif how == "admin":
@@ -118,13 +117,13 @@ async def test_reload_under_load_moves_traffic_without_a_failed_request(
     path = tmp_path / "servegate.yaml"
     before = config(a, b, {V1: 100, V2: 0})
     write(path, before)
-    async with GatewayRunner(parse_config(path.read_text(), environ={})) as gw:
-        reloader = ConfigReloader(gw.gateway, ConfigSource(path, environ={}))
+    source = ConfigSource(path, environ={})
+    async with GatewayRunner(parse_config(path.read_text(), environ={}), source=source) as gw:
+        reloader = gw.reloader
         await wait_pools(gw, {"a": V1, "b": V2})
         old_a = gw.gateway.runtime("a")
         assert old_a is not None
-        heard: list[Gateway] = []
-        gw.gateway.reload_listeners.append(heard.append)
+        snapshot = gw.gateway.snapshot
         if how == "watch":
             reloader.watch(0.05)
         async with Load(gw.url) as load:
@@ -134,7 +133,7 @@ async def test_reload_under_load_moves_traffic_without_a_failed_request(
             after["pools"][0]["picker"] = RANDOM_PICKER
             write(path, after)
             await _trigger(how, gw, reloader)
-            await wait_for(lambda: bool(heard), timeout=5, what="the reload")
+            await wait_for(lambda: gw.gateway.snapshot is not snapshot, 5, what="the reload")
             switched = time.monotonic()
             await load.wait_for_more(100)
         assert [r for r in load.results if r[2] != 200] == []
@@ -146,7 +145,6 @@ async def test_reload_under_load_moves_traffic_without_a_failed_request(
         assert "random-picker" in new_a.scheduler.plugins
         await wait_for(lambda: not old_a.started, what="the old runtime to stop")
         assert new_a.pool.ready_count() == 2
-        assert heard == [gw.gateway]
         text = gw.gateway.metrics.render().decode()
         assert metric(text, "servegate_config_reloads_total", {"result": "success"}) == 1
 
@@ -178,12 +176,11 @@ async def test_a_broken_reload_keeps_the_old_config_and_says_why(
     a, b = two_pools
     path = tmp_path / "servegate.yaml"
     write(path, config(a, b, {V1: 100, V2: 0}))
-    async with GatewayRunner(parse_config(path.read_text(), environ={})) as gw:
-        reloader = ConfigReloader(gw.gateway, ConfigSource(path, environ={}))
+    source = ConfigSource(path, environ={})
+    async with GatewayRunner(parse_config(path.read_text(), environ={}), source=source) as gw:
+        reloader = gw.reloader
         await wait_pools(gw, {"a": V1, "b": V2})
-        runtimes, routing, cfg = gw.gateway.runtimes, gw.gateway.routing, gw.gateway.config
-        heard: list[Gateway] = []
-        gw.gateway.reload_listeners.append(heard.append)
+        snapshot = gw.gateway.snapshot
         write(path, text)
         result = await reloader.reload()
         assert not result.ok and result.error is not None and reason in result.error
@@ -195,9 +192,7 @@ async def test_a_broken_reload_keeps_the_old_config_and_says_why(
             status, served, _ = await complete(session, gw.url, "chat")
         assert resp.status == 422 and reason in body["error"]
         assert (status, served) == (200, V1)
-        assert gw.gateway.runtimes is runtimes and gw.gateway.routing is routing
-        assert gw.gateway.config is cfg
-        assert heard == []
+        assert gw.gateway.snapshot is snapshot
         text_metrics = gw.gateway.metrics.render().decode()
         assert metric(text_metrics, "servegate_config_reloads_total", {"result": "failure"}) == 2
 
@@ -210,12 +205,15 @@ async def test_reload_adds_and_removes_pools(
     write(path, config(a, b, {V1: 1}))
     async with (
         SimCluster(1, base=sim("chat-v3")) as c,
-        GatewayRunner(parse_config(path.read_text(), environ={})) as gw,
+        GatewayRunner(
+            parse_config(path.read_text(), environ={}), source=ConfigSource(path, environ={})
+        ) as gw,
     ):
-        reloader = ConfigReloader(gw.gateway, ConfigSource(path, environ={}))
+        reloader = gw.reloader
         await wait_pools(gw, {"a": V1, "b": V2})
         old_b = gw.gateway.runtime("b")
         assert old_b is not None
+        old_feed = gw.running.feeds[old_b.state]
         doc = config(a, b, {"chat-v3": 1})
         doc["pools"] = [pool("a", a), pool("c", c)]
         write(path, doc)
@@ -227,8 +225,8 @@ async def test_reload_adds_and_removes_pools(
             models = await (await session.get(f"{gw.url}/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["chat", V1, "chat-v3"]
         await wait_for(lambda: not old_b.started, what="the removed pool to stop")
-        datalayer = old_b.state.datalayer
-        assert datalayer is not None and datalayer.watched() == []
+        assert old_b.state not in gw.running.feeds
+        assert old_feed.datalayer.watched() == []  # its scrapes and health checks stopped
 
 
 async def test_sighup_and_a_watched_file_reload_the_server(

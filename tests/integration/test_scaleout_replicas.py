@@ -11,7 +11,6 @@ import aiohttp
 import pytest
 
 from servegate.pool.pool import Pool
-from servegate.scaleout.report import SCALEOUT
 from servegate.scaleout.wiring import ScaleOut
 from servegate.scheduling.prefix.approx import PrefixCacheScorer
 from servegate.testing.cluster import SimCluster
@@ -55,7 +54,7 @@ async def replicas(sims: SimCluster) -> AsyncIterator[tuple[GatewayRunner, Gatew
 
 
 def scaleout(gw: GatewayRunner) -> ScaleOut:
-    current = gw.app[SCALEOUT].current
+    current = gw.running.scaleout
     assert current is not None
     return current
 

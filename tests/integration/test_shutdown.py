@@ -11,6 +11,7 @@ import urllib.request
 import aiohttp
 import pytest
 
+from servegate.gateway.probes import ProbeServer
 from servegate.testing.cluster import SimCluster
 from servegate.testing.gateway import GatewayRunner
 from tests.integration.conftest import FAST_SIM, chat, gateway_config, wait_ready
@@ -63,8 +64,8 @@ async def test_probe_port_answers_while_the_event_loop_is_blocked() -> None:
         cfg = gateway_config(cluster.urls, probe_port=0)
         async with GatewayRunner(cfg) as gw:
             await wait_ready(gw, 1)
-            probes = gw.gateway.probes
-            assert probes is not None
+            probes = gw.running.probes
+            assert isinstance(probes, ProbeServer)
             answers: list[tuple[str, int]] = []
 
             def ask() -> None:

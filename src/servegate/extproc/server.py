@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import grpc
 import orjson
 from aiohttp import web
@@ -35,8 +34,8 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from servegate.config import ExtProcSettings, ServegateConfig
 from servegate.extproc.protocol import SERVICE_NAME, Message, ProtocolMismatch
 from servegate.extproc.stream import ExtProcStream
-from servegate.gateway.app import Gateway, build_gateway, start_runtimes
-from servegate.gateway.cluster_policy import apply_cluster_policy
+from servegate.gateway.app import Gateway, build_gateway
+from servegate.gateway.lifecycle import RunningGateway, start_gateway
 
 log = logging.getLogger("servegate.extproc")
 
@@ -114,19 +113,13 @@ class ExtProcServer:
         self._health_grpc: grpc.aio.Server | None = None
         self._health: Any = None
         self._metrics: web.AppRunner | None = None
-        self._started = False
+        self._running: RunningGateway | None = None
 
     async def start(self) -> None:
         gw, settings = self.gw, self.settings
-        gw.transport.open()
-        gw.control = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar()
-        )
         # every pool, as in HTTP mode: data layer, discovery (its objectives reach
-        # admission), routing tokenizers
-        await start_runtimes(gw, gw.runtimes)
-        self._started = True
-        apply_cluster_policy(gw)
+        # admission), routing tokenizers; no probe port or scale-out in this mode
+        self._running = await start_gateway(gw, scale_out=False)
 
         self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
         add_ExternalProcessorServicer_to_server(PickerServicer(gw), self._grpc)
@@ -173,14 +166,9 @@ class ExtProcServer:
             await self._health_grpc.stop(0)
         if self._metrics is not None:
             await self._metrics.cleanup()
-        if self._started:
-            self._started = False
-            for runtime in gw.runtimes:
-                await runtime.stop(keep_state=False)
-        if gw.control is not None:
-            await gw.control.close()
-            gw.control = None
-        await gw.transport.close()
+        running, self._running = self._running, None
+        if running is not None:
+            await running.stop()
 
     async def __aenter__(self) -> ExtProcServer:
         try:

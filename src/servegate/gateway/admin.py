@@ -26,6 +26,7 @@ from servegate.gateway.errors import Forbidden, GatewayError, NotFound, Unauthor
 if TYPE_CHECKING:
     from servegate.gateway.app import Gateway
     from servegate.gateway.pools import PoolRuntime
+    from servegate.gateway.reload import Reloader
 
 ADMIN_PREFIX = "/admin/"
 
@@ -131,7 +132,9 @@ def _json(data: Any, status: int = 200) -> web.Response:
 Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
-def add_admin_routes(app: web.Application, gateway_key: web.AppKey[Gateway]) -> None:
+def add_admin_routes(
+    app: web.Application, gateway_key: web.AppKey[Gateway], reloader_key: web.AppKey[Reloader]
+) -> None:
     def _gw(request: web.Request) -> Gateway:
         gw = request.app[gateway_key]
         check_admin_key(gw.config.gateway.admin_keys, request.headers.get("Authorization", ""))
@@ -167,14 +170,12 @@ def add_admin_routes(app: web.Application, gateway_key: web.AppKey[Gateway]) -> 
 
     async def reload(request: web.Request) -> web.Response:
         try:
-            gw = _gw(request)
+            _gw(request)
         except GatewayError as exc:
             return render(exc)
-        if gw.reloader is None:
-            return _json({"ok": False, "error": "this gateway was not started from a file"}, 409)
-        result = await gw.reloader.reload()
+        result = await request.app[reloader_key].reload()
         body = {"ok": result.ok, "error": result.error, "pools": list(result.pools)}
-        return _json(body, 200 if result.ok else 422)
+        return _json(body, result.status)
 
     app.router.add_get("/admin/pool", get_pool)
     app.router.add_get("/admin/pools", get_pools)

@@ -17,16 +17,13 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import aiohttp
 import orjson
 from aiohttp import web
 
 from servegate.config import GatewaySettings, ServegateConfig
 from servegate.control.director import DISAGG_KINDS, Director, Parser
 from servegate.control.snapshot import RoutingSnapshot
-from servegate.datalayer import DataLayer
 from servegate.datalayer.outlier import OutlierDetector
 from servegate.engines.registry import EngineRegistry
 from servegate.gateway.access_log import AccessLog
@@ -34,7 +31,6 @@ from servegate.gateway.admin import add_admin_routes
 from servegate.gateway.admission import GatewayAdmission
 from servegate.gateway.cache_routing import CacheRouting
 from servegate.gateway.clients import transport_for
-from servegate.gateway.cluster_policy import apply_cluster_policy
 from servegate.gateway.connections import (
     CONNECTIONS,
     ConnectionCollector,
@@ -58,30 +54,22 @@ from servegate.gateway.errors import (
 from servegate.gateway.headers import (
     subset_of,
 )
+from servegate.gateway.lifecycle import RUNNING, start_gateway
 from servegate.gateway.metrics import GatewayMetrics
 from servegate.gateway.model_routing import RoutingTable
 from servegate.gateway.openapi import PASSTHROUGH, serve_openapi
 from servegate.gateway.parse import parse_request
-from servegate.gateway.pools import (
-    PoolRuntime,
-    RuntimeCollector,
-    build_pool_datalayer,
-    build_runtime,
-)
-from servegate.gateway.probes import ProbeServer
+from servegate.gateway.pools import PoolRuntime, RuntimeCollector, build_runtimes
 from servegate.gateway.proxy import Proxy, forward_headers
+from servegate.gateway.reload import RELOADER, ConfigReloader, ConfigSource, FixedConfig, Reloader
 from servegate.gateway.retry import RetryBudget
 from servegate.gateway.tenants import Tenant, TenantTable
 from servegate.gateway.transport import UpstreamTransport
 from servegate.gateway.ui import DecisionLog, add_ui_routes
 from servegate.pool.pool import Pool
 from servegate.scaleout.report import add_scaleout_routes
-from servegate.scaleout.wiring import start_scaleout
 from servegate.scheduling.request import RequestKind
 from servegate.scheduling.scheduler import Scheduler
-
-if TYPE_CHECKING:
-    from servegate.gateway.reload import ConfigReloader
 
 log = logging.getLogger("servegate.gateway")
 
@@ -93,10 +81,13 @@ PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 @dataclass(slots=True, eq=False)
 class Gateway:
-    """The process's gateway: the `Director` (which holds the current `RoutingSnapshot`) and
-    what lives as long as the process. `config`, `runtimes`, `routing` and `tenants` read
-    the current snapshot: a request must read `director.snapshot` once instead, and keep
-    it. `pool`, `scheduler`, `admission`… are the default (first) pool's."""
+    """The process's gateway, built complete and not started: the `Director` (which holds
+    the current `RoutingSnapshot`) and what lives as long as the process. What exists only
+    while it serves (sessions, pool feeds, probes, scale-out, the reloader) is the
+    `RunningGateway` that `start_gateway` returns (lifecycle.py). `config`, `runtimes`,
+    `routing` and `tenants` read the current snapshot: a request must read
+    `director.snapshot` once instead, and keep it. `pool`, `scheduler`, `admission`… are
+    the default (first) pool's."""
 
     director: Director
     metrics: GatewayMetrics
@@ -107,14 +98,10 @@ class Gateway:
     budget: RetryBudget
     decisions: DecisionLog
     """The latest scheduling decisions, for the status page (`/ui`)."""
+    config_dir: Path | None
+    """The config file's folder, against which its relative paths resolve (pickers, chat
+    templates, key files); None = a config not read from a file (the working directory)."""
     started_at: float = field(default_factory=time.time)
-    control: aiohttp.ClientSession | None = None
-    """Scrapes' and health probes' own connection pool; open while the gateway runs."""
-    probes: ProbeServer | None = None
-    config_dir: Path | None = None
-    reload_listeners: list[Callable[[Gateway], None]] = field(default_factory=list)
-    """Called after every successful reload, with the gateway already switched over."""
-    reloader: ConfigReloader | None = None
 
     @property
     def snapshot(self) -> RoutingSnapshot:
@@ -141,10 +128,6 @@ class Gateway:
     def tenants(self) -> TenantTable:
         """Accepted keys and their tenants; rebuilt on reload."""
         return self.director.snapshot.tenants
-
-    @property
-    def session(self) -> aiohttp.ClientSession | None:
-        return self.transport.session
 
     def pool_runtimes(self) -> tuple[PoolRuntime, ...]:
         """Every pool's runtime (`.pool`, `.scheduler`, …); the first is the default."""
@@ -186,45 +169,11 @@ class Gateway:
     def disagg(self) -> Disaggregator:
         return self.runtimes[0].disagg
 
-    @property
-    def datalayer(self) -> DataLayer | None:
-        return self.runtimes[0].state.datalayer
-
-    @datalayer.setter
-    def datalayer(self, value: DataLayer | None) -> None:
-        self.runtimes[0].state.datalayer = value
-
     def runtime(self, name: str) -> PoolRuntime | None:
         return self.director.snapshot.runtime(name)
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
-
-
-def build_runtimes(
-    config: ServegateConfig,
-    metrics: GatewayMetrics,
-    transport: UpstreamTransport,
-    budget: RetryBudget,
-    config_dir: Path | None = None,
-    previous: tuple[PoolRuntime, ...] = (),
-) -> tuple[tuple[PoolRuntime, ...], RoutingTable]:
-    """Every pool's runtime and the model routing table; raises before starting anything."""
-    runtimes = tuple(
-        build_runtime(
-            config, entry, metrics, config_dir, previous, transport=transport, budget=budget
-        )
-        for entry in config.pool_entries()
-    )
-    routing = RoutingTable.from_config(config.model_rewrites)
-    known = {m for r in runtimes for m in r.pool.models}
-    unknown = sorted(routing.targets() - known)
-    if unknown:
-        log.warning(
-            "rewrite targets no pool declares yet (expected from replicas' /v1/models): %s",
-            ", ".join(unknown),
-        )
-    return runtimes, routing
 
 
 def build_gateway(
@@ -506,62 +455,25 @@ async def _mark_prepared(request: web.Request, response: web.StreamResponse) -> 
 # -- lifecycle ----------------------------------------------------------------------
 
 
-def build_datalayer(gw: Gateway, session: aiohttp.ClientSession) -> DataLayer:
-    """The scrapers and health checkers for `gw.pool`; shared by the HTTP and ext_proc modes."""
-    return build_pool_datalayer(gw.default.state.settings, gw.pool, session, gw.engines)
+def _serving(source: ConfigSource | None) -> Callable[[web.Application], AsyncIterator[None]]:
+    """The app's cleanup context: start the gateway (lifecycle.py) and its reloader (from
+    `source`; `FixedConfig` without one), stop them at shutdown."""
 
+    async def serving(app: web.Application) -> AsyncIterator[None]:
+        gw = app[GATEWAY]
+        running = app[RUNNING] = await start_gateway(gw, probe_port=gw.config.gateway.probe_port)
+        reloader: Reloader = FixedConfig(running)
+        if source is not None:
+            reloader = ConfigReloader(running, source)
+        app[RELOADER] = reloader
+        try:
+            yield
+        finally:
+            await reloader.close()
+            await running.stop()
+            gw.access_log.flush()
 
-async def start_runtimes(gw: Gateway, runtimes: tuple[PoolRuntime, ...]) -> None:
-    """Start the runtimes' background work, on the sessions the gateway opened."""
-    control = gw.control
-    if control is None:
-        raise RuntimeError("the gateway's sessions are not open: start the gateway first")
-    session = gw.transport.session or control
-    for runtime in runtimes:
-        await runtime.start(session, control)
-
-
-async def _components(app: web.Application) -> AsyncIterator[None]:
-    gw = app[GATEWAY]
-    settings = gw.config.gateway
-    gw.transport.open()
-    probes = None
-    if settings.probe_port is not None:
-        probes = gw.probes = ProbeServer(gw.pool, settings.host, settings.probe_port)
-        probes.start()
-    # Scrapes and health probes get their own connection pool: aiohttp reuses idle
-    # connections first-in first-out, so probes cycling through the request path's pool
-    # would keep every idle connection alive forever, and a saturated request pool
-    # must not delay a probe.
-    control = gw.control = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar()
-    )
-    scaleout = await start_scaleout(gw, app)  # before the runtimes: a follower scrapes nothing
-    await start_runtimes(gw, gw.runtimes)
-    apply_cluster_policy(gw)  # and again whenever the cluster's objects or the config change
-    gw.reload_listeners.append(apply_cluster_policy)
-    log.info(
-        "gateway started",
-        extra={
-            "fields": {
-                "pools": {r.name: [s.address for s in r.pool] for r in gw.runtimes},
-            }
-        },
-    )
-    try:
-        yield
-    finally:
-        if gw.reloader is not None:
-            await gw.reloader.close()
-        if probes is not None:
-            probes.stop()
-        if scaleout is not None:
-            await scaleout.stop()
-        for runtime in gw.runtimes:
-            await runtime.stop(keep_state=False)
-        await control.close()
-        await gw.transport.close()
-        gw.access_log.flush()
+    return serving
 
 
 async def _stop_queueing(app: web.Application) -> None:
@@ -570,7 +482,9 @@ async def _stop_queueing(app: web.Application) -> None:
         log.info("shutting down: turned away %d queued requests", turned_away)
 
 
-def create_app(gw: Gateway) -> web.Application:
+def create_app(gw: Gateway, source: ConfigSource | None = None) -> web.Application:
+    """The HTTP app over `gw`; it starts the gateway when it starts. `source`: where a
+    reload (SIGHUP, `POST /admin/reload`, a watched file) re-reads the config from."""
     app = web.Application(
         client_max_size=gw.config.gateway.max_body_bytes,
         middlewares=[connection_middleware, error_middleware],
@@ -591,11 +505,11 @@ def create_app(gw: Gateway) -> web.Application:
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", serve_openapi)
-    add_admin_routes(app, GATEWAY)
+    add_admin_routes(app, GATEWAY, RELOADER)
     add_ui_routes(app, GATEWAY)
-    add_scaleout_routes(app, GATEWAY)
+    add_scaleout_routes(app, GATEWAY, RUNNING)
     app.router.add_post("/v1/{tail:.+}", passthrough)
     app.on_response_prepare.append(_mark_prepared)
     app.on_shutdown.append(_stop_queueing)
-    app.cleanup_ctx.append(_components)
+    app.cleanup_ctx.append(_serving(source))
     return app

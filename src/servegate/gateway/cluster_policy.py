@@ -24,28 +24,29 @@ from servegate.pool.discovery.policy import ClusterPolicy, merge_rewrites
 
 if TYPE_CHECKING:
     from servegate.gateway.app import Gateway
-    from servegate.gateway.pools import PoolRuntime
+    from servegate.gateway.feeds import PoolFeeds
+    from servegate.pool.discovery import Discovery
 
 log = logging.getLogger("servegate.gateway")
 
 
-def policy_of(runtime: PoolRuntime) -> ClusterPolicy | None:
+def policy_of(discovery: Discovery) -> ClusterPolicy | None:
     from servegate.pool.discovery.kubernetes import KubernetesDiscovery
 
-    discovery = runtime.state.discovery
     return discovery.policy if isinstance(discovery, KubernetesDiscovery) else None
 
 
-def apply_cluster_policy(gw: Gateway) -> None:
-    """Fold the cluster's objectives and rewrites into `gw`; a no-op without any."""
+def apply_cluster_policy(gw: Gateway, feeds: PoolFeeds) -> None:
+    """Fold the cluster's objectives and rewrites into `gw`; a no-op without any.
+    `feeds`: the running pools' discovery, which holds each pool's `ClusterPolicy`."""
     cluster: list[ModelRewrite] = []
     found = False
     for runtime in gw.runtimes:
-        policy = policy_of(runtime)
+        policy = policy_of(feeds[runtime.state].discovery)
         if policy is None:
             continue
         found = True
-        policy.listen(gw, lambda: apply_cluster_policy(gw))
+        policy.listen(gw, lambda: apply_cluster_policy(gw, feeds))
         base = (runtime.entry.flow_control or gw.config.flow_control).priorities()
         for name in sorted(base.keys() & policy.objectives.keys()):
             if base[name] != policy.objectives[name]:

@@ -1,10 +1,11 @@
 """One pool's runtime: its live state, its scheduler, its flow control, its proxy.
 
-The live part (`PoolState`: the Pool, its data layer, discovery, passive health, and
-what routing learned: the latency predictor, prefix indexes, session bindings)
-outlives a reload that leaves the pool's own settings alone; the routing part
-(`PoolRuntime`: scheduler, admission, cache routing, proxy) is rebuilt when its
-picker or flow control change. A request keeps the runtime it started with.
+The live part (`PoolState`: the Pool, passive health, and what routing learned: the
+latency predictor, prefix indexes, session bindings) outlives a reload that leaves the
+pool's own settings alone; the routing part (`PoolRuntime`: scheduler, admission,
+cache routing, proxy) is rebuilt when its picker or flow control change. A request
+keeps the runtime it started with. What keeps a pool fresh while the gateway runs (its
+data layer and discovery) is the running gateway's (`feeds.py`), built when it starts.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from servegate.config import (
     ServegateConfig,
     read_picker,
 )
-from servegate.datalayer import DataLayer
 from servegate.datalayer.outlier import OutlierDetectionSettings, OutlierDetector
 from servegate.engines.registry import EngineRegistry
 from servegate.gateway.admission import GatewayAdmission, build_admission
@@ -38,11 +38,11 @@ from servegate.gateway.clients import transport_for
 from servegate.gateway.disagg import Disaggregator, build_disaggregator
 from servegate.gateway.latency import LatencyRouting
 from servegate.gateway.metrics import GatewayMetrics, PluginDurationCollector, with_aliases
+from servegate.gateway.model_routing import RoutingTable
 from servegate.gateway.proxy import Proxy
 from servegate.gateway.retry import RetryBudget
 from servegate.gateway.transport import UpstreamTransport
 from servegate.gateway.triton import TritonTranslator
-from servegate.pool.discovery import Discovery, start_discovery
 from servegate.pool.pool import Pool
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
 from servegate.scheduling.factory import PluginContext
@@ -59,16 +59,13 @@ POOL_LABEL = "inference_pool"
 
 @dataclass(slots=True, eq=False)
 class PoolState:
-    """The pool and what keeps it fresh; shared by the runtimes built over it."""
+    """The pool and what it learned; shared by the runtimes built over it."""
 
     settings: PoolSettings
     outlier_settings: OutlierDetectionSettings
     pool: Pool
     engines: EngineRegistry
     outlier: OutlierDetector
-    datalayer: DataLayer | None = None
-    discovery: Discovery | None = None
-    started: bool = False
     latency: LatencyPredictor = field(default_factory=LatencyPredictor)
     """The pool's latency predictor: learned state that survives picker reloads."""
     routing: RoutingState = field(default_factory=RoutingState)
@@ -77,35 +74,6 @@ class PoolState:
 
     def same_as(self, settings: PoolSettings, outlier: OutlierDetectionSettings) -> bool:
         return self.settings == settings and self.outlier_settings == outlier
-
-    async def start(self, control: aiohttp.ClientSession) -> None:
-        if self.started:
-            return
-        self.started = True
-        if self.datalayer is None:
-            self.datalayer = build_pool_datalayer(self.settings, self.pool, control, self.engines)
-        await self.datalayer.start()
-        self.discovery = await start_discovery(self.settings.discovery, self.pool)
-
-    async def stop(self) -> None:
-        if self.discovery is not None:
-            await self.discovery.stop()
-            self.discovery = None
-        if self.datalayer is not None:
-            await self.datalayer.stop()
-        self.started = False
-
-
-def build_pool_datalayer(
-    settings: PoolSettings, pool: Pool, session: aiohttp.ClientSession, engines: EngineRegistry
-) -> DataLayer:
-    return DataLayer(
-        pool,
-        session,
-        engines,
-        scrape=settings,
-        health=settings.health,
-    )
 
 
 def build_pool_state(
@@ -166,13 +134,11 @@ class PoolRuntime:
         if self.in_flight <= 0 and self._idle is not None:
             self._idle.set()
 
-    async def start(self, session: aiohttp.ClientSession, control: aiohttp.ClientSession) -> None:
-        """Start what runs in the background: the pool's data layer and discovery (once per
-        pool state), the routing tokenizers."""
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        """Start what runs in the background for routing: the tokenizers."""
         if self.started:
             return
         self.started = True
-        await self.state.start(control)
         await self.cache_routing.start(session)
 
     async def drained(self, timeout_s: float) -> bool:
@@ -186,12 +152,36 @@ class PoolRuntime:
             return False
         return True
 
-    async def stop(self, keep_state: bool) -> None:
+    async def stop(self) -> None:
         self.started = False
         self.admission.close()
         await self.cache_routing.stop()
-        if not keep_state:
-            await self.state.stop()
+
+
+def build_runtimes(
+    config: ServegateConfig,
+    metrics: GatewayMetrics,
+    transport: UpstreamTransport,
+    budget: RetryBudget,
+    config_dir: Path | None = None,
+    previous: tuple[PoolRuntime, ...] = (),
+) -> tuple[tuple[PoolRuntime, ...], RoutingTable]:
+    """Every pool's runtime and the model routing table; raises before starting anything."""
+    runtimes = tuple(
+        build_runtime(
+            config, entry, metrics, config_dir, previous, transport=transport, budget=budget
+        )
+        for entry in config.pool_entries()
+    )
+    routing = RoutingTable.from_config(config.model_rewrites)
+    known = {m for r in runtimes for m in r.pool.models}
+    unknown = sorted(routing.targets() - known)
+    if unknown:
+        log.warning(
+            "rewrite targets no pool declares yet (expected from replicas' /v1/models): %s",
+            ", ".join(unknown),
+        )
+    return runtimes, routing
 
 
 def build_runtime(

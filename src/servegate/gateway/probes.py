@@ -34,6 +34,16 @@ def readiness(pool: Pool) -> tuple[int, int]:
     return 0, 0
 
 
+class NoProbes:
+    """No probe port configured (`gateway.probe_port: null`): the main port answers them."""
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
 class ProbeServer:
     def __init__(self, pool: Pool, host: str, port: int) -> None:
         self.pool = pool

@@ -11,6 +11,10 @@ routing table, tenants); a request reads it once when it begins.
 
 The listening address, probe port, log level and extproc settings are read at
 start only; a reload that changes them says so in the log.
+
+A gateway started from a file gets a `ConfigReloader` when it starts (over the running
+gateway, which starts and stops the runtimes); one started without a file gets
+`FixedConfig`, whose reload refuses.
 """
 
 from __future__ import annotations
@@ -20,15 +24,17 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+from aiohttp import web
 
 from servegate.config import ConfigError, ServegateConfig, load_config
 from servegate.control.snapshot import RoutingSnapshot
-from servegate.gateway.pools import PoolRuntime
+from servegate.gateway.pools import PoolRuntime, build_runtimes
 from servegate.gateway.tenants import TenantTable
 
 if TYPE_CHECKING:
-    from servegate.gateway.app import Gateway
+    from servegate.gateway.lifecycle import RunningGateway
 
 log = logging.getLogger("servegate.reload")
 
@@ -52,6 +58,9 @@ class ReloadResult:
     error: str | None = None
     pools: tuple[str, ...] = ()
     """The pools running after the reload."""
+    status: int = 200
+    """The admin route's answer: 200, 422 (the new config was rejected) or 409 (nothing to
+    reload from)."""
 
 
 @dataclass(slots=True)
@@ -74,17 +83,54 @@ class ConfigSource:
             return None
 
 
-class ConfigReloader:
-    """Reloads `gw` from `source`; one reload at a time."""
+class Reloader(Protocol):
+    async def reload(self) -> ReloadResult: ...
 
-    def __init__(self, gw: Gateway, source: ConfigSource) -> None:
-        self.gw = gw
+    def signal(self) -> None: ...
+
+    def watch(self, interval_s: float) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+NOT_FROM_A_FILE = "this gateway was not started from a file"
+
+
+class FixedConfig:
+    """The reloader of a gateway started without a config file: nothing to re-read."""
+
+    def __init__(self, running: RunningGateway) -> None:
+        self.running = running
+
+    async def reload(self) -> ReloadResult:
+        pools = tuple(r.name for r in self.running.gateway.runtimes)
+        return ReloadResult(False, NOT_FROM_A_FILE, pools, status=409)
+
+    def signal(self) -> None:
+        pass
+
+    def watch(self, interval_s: float) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+RELOADER: web.AppKey[Reloader] = web.AppKey("reloader")
+"""The running app's reloader, set when it starts."""
+
+
+class ConfigReloader:
+    """Reloads the running gateway from `source`; one reload at a time."""
+
+    def __init__(self, running: RunningGateway, source: ConfigSource) -> None:
+        self.running = running
+        self.gw = running.gateway
         self.source = source
         self._lock = asyncio.Lock()
         self._retiring: set[asyncio.Task[Any]] = set()
         self._pending: set[PoolRuntime] = set()
         self._watch: asyncio.Task[None] | None = None
-        gw.reloader = self
 
     async def reload(self) -> ReloadResult:
         """Re-read the source and switch over, or keep the running config and say why."""
@@ -95,8 +141,6 @@ class ConfigReloader:
         return await self.apply(config)
 
     async def apply(self, config: ServegateConfig) -> ReloadResult:
-        from servegate.gateway.app import build_runtimes, start_runtimes
-
         async with self._lock:
             gw = self.gw
             old = gw.runtimes
@@ -109,9 +153,9 @@ class ConfigReloader:
                 return self._failed(f"{type(exc).__name__}: {exc}")
             fresh = tuple(r for r in runtimes if r not in old)
             try:
-                await start_runtimes(gw, fresh)
+                await self.running.start_runtimes(fresh)
             except Exception as exc:  # e.g. discovery that cannot connect
-                await self._stop(fresh, old)
+                await self.running.stop_runtimes(fresh, old)
                 return self._failed(f"starting the new pools failed: {type(exc).__name__}: {exc}")
             await _warm_up(fresh, old, config.reload.warmup_s)
             previous_config = gw.config
@@ -129,11 +173,7 @@ class ConfigReloader:
                 "configuration reloaded",
                 extra={"fields": {"pools": list(names), "rebuilt": [r.name for r in fresh]}},
             )
-        for listener in list(gw.reload_listeners):
-            try:
-                listener(gw)
-            except Exception:
-                log.exception("a reload listener failed")
+        self.running.reloaded()
         return ReloadResult(True, pools=names)
 
     def _failed(self, error: str) -> ReloadResult:
@@ -142,7 +182,8 @@ class ConfigReloader:
             "configuration reload rejected; the running configuration stays",
             extra={"fields": {"error": error}},
         )
-        return ReloadResult(False, error=error, pools=tuple(r.name for r in self.gw.runtimes))
+        pools = tuple(r.name for r in self.gw.runtimes)
+        return ReloadResult(False, error=error, pools=pools, status=422)
 
     def _restart_only_changes(self, before: ServegateConfig, after: ServegateConfig) -> None:
         changed = [
@@ -164,13 +205,7 @@ class ConfigReloader:
         timeout = self.gw.config.gateway.drain_timeout_s
         await asyncio.gather(*(r.drained(timeout) for r in retired))
         self._pending.difference_update(retired)
-        await self._stop(retired, current)
-
-    @staticmethod
-    async def _stop(stopping: tuple[PoolRuntime, ...], keeping: tuple[PoolRuntime, ...]) -> None:
-        kept = {id(r.state) for r in keeping}
-        for runtime in stopping:
-            await runtime.stop(keep_state=id(runtime.state) in kept)
+        await self.running.stop_runtimes(retired, current)
 
     def signal(self) -> None:
         """For a signal handler: reload in the background."""
@@ -202,7 +237,7 @@ class ConfigReloader:
             await asyncio.gather(*tasks, return_exceptions=True)
         pending = tuple(self._pending)
         self._pending.clear()
-        await self._stop(pending, self.gw.runtimes)
+        await self.running.stop_runtimes(pending, self.gw.runtimes)
 
 
 async def _warm_up(

@@ -23,7 +23,7 @@ from aiohttp import web
 from servegate.config import GatewaySettings, ServegateConfig
 from servegate.gateway.app import build_gateway, create_app
 from servegate.gateway.connections import CONNECTIONS, GuardedSite
-from servegate.gateway.reload import ConfigReloader, ConfigSource
+from servegate.gateway.reload import RELOADER, ConfigSource
 
 log = logging.getLogger("servegate.server")
 
@@ -80,8 +80,7 @@ async def serve_until_stopped(
     `reuse_port`: several worker processes listen on the same port (SO_REUSEPORT).
     """
     gw = build_gateway(config, config_dir)
-    reloader = ConfigReloader(gw, source) if source is not None else None
-    app = create_app(gw)
+    app = create_app(gw, source)
     drain = config.gateway.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
     runner = web.AppRunner(
         app,
@@ -112,7 +111,8 @@ async def serve_until_stopped(
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass
-    if reloader is not None:
+    if source is not None:
+        reloader = app[RELOADER]
         try:
             loop.add_signal_handler(signal.SIGHUP, reloader.signal)
         except (NotImplementedError, RuntimeError, AttributeError):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -24,6 +23,7 @@ from servegate.gateway.errors import GatewayError, render
 
 if TYPE_CHECKING:
     from servegate.gateway.app import Gateway
+    from servegate.gateway.lifecycle import RunningGateway
     from servegate.scaleout.wiring import ScaleOut
 
 NOT_SHARED = (
@@ -36,23 +36,18 @@ NOT_SHARED = (
 )
 
 
-@dataclass(slots=True)
-class ScaleOutSlot:
-    current: ScaleOut | None = None
-
-
-SCALEOUT = web.AppKey("scaleout", ScaleOutSlot)
-
-
 def describe(scaleout: ScaleOut | None) -> dict[str, Any]:
     if scaleout is None:
         return {"enabled": False, "pid": os.getpid()}
     return scaleout.describe(time.monotonic())
 
 
-def add_scaleout_routes(app: web.Application, gateway_key: web.AppKey[Gateway]) -> None:
+def add_scaleout_routes(
+    app: web.Application,
+    gateway_key: web.AppKey[Gateway],
+    running_key: web.AppKey[RunningGateway],
+) -> None:
     """`GET /admin/scaleout`: this process's identity, peers, shared counts and counters."""
-    app[SCALEOUT] = ScaleOutSlot()
 
     async def get_scaleout(request: web.Request) -> web.Response:
         gw = request.app[gateway_key]
@@ -60,7 +55,7 @@ def add_scaleout_routes(app: web.Application, gateway_key: web.AppKey[Gateway]) 
             check_admin_key(gw.config.gateway.admin_keys, request.headers.get("Authorization", ""))
         except GatewayError as exc:
             return render(exc)
-        body = orjson.dumps(describe(request.app[SCALEOUT].current))
+        body = orjson.dumps(describe(request.app[running_key].scaleout))
         return web.Response(body=body, content_type="application/json")
 
     app.router.add_get("/admin/scaleout", get_scaleout)

@@ -8,24 +8,21 @@ Otherwise `start_scaleout` returns None and nothing changes.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import secrets
 import socket
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
-
-from aiohttp import web
 
 from servegate.pool.pool import Pool
 from servegate.scaleout.bus import Bus
 from servegate.scaleout.codec import GONE, Message
-from servegate.scaleout.follower import followers, install_followers
 from servegate.scaleout.inflight import InFlightSharing
 from servegate.scaleout.metrics import MetricsSharing
 from servegate.scaleout.prefix import PrefixSharing
 from servegate.scaleout.replica import ReplicaLink
-from servegate.scaleout.report import NOT_SHARED, SCALEOUT, ScaleOutCollector
+from servegate.scaleout.report import NOT_SHARED, ScaleOutCollector
 from servegate.scaleout.settings import ScaleOutSettings, WorkerIdentity
 from servegate.scheduling.scheduler import Scheduler
 
@@ -58,8 +55,11 @@ class ScaleOut:
         bus: Bus,
         mode: str,
         leader: bool,
+        set_scraping: Callable[[bool], Awaitable[None]],
         link: ReplicaLink | None = None,
     ) -> None:
+        """`set_scraping`: turns every pool's scrapes and health checks on or off (a
+        follower worker's are off while its leader's reports arrive)."""
         self.gw = gw
         self.settings = settings
         self.bus = bus
@@ -71,11 +71,11 @@ class ScaleOut:
 
         self.inflight = InFlightSharing(bus, settings, pools)
         self.prefix = PrefixSharing(bus, settings)
+        self._set_scraping = set_scraping
         self.metrics = MetricsSharing(
-            bus, settings, leader, pools, self._set_scraping, share=mode == "worker"
+            bus, settings, leader, pools, set_scraping, share=mode == "worker"
         )
         self._collector = ScaleOutCollector(self)
-        self._stopping: list[asyncio.Task[None]] = []
 
     @property
     def origin(self) -> str:
@@ -86,13 +86,9 @@ class ScaleOut:
         """False for a follower worker: its data layer stays idle while the leader's arrive."""
         return self.metrics.scrapes
 
-    async def _set_scraping(self, on: bool) -> None:
-        for datalayer in followers(self.gw):
-            await (datalayer.activate() if on else datalayer.deactivate())
-
     async def start(self) -> None:
         if not self.metrics.leader:
-            install_followers(self.gw)
+            await self._set_scraping(False)  # before any pool starts: it scrapes nothing
         if self.link is not None:
             await self.link.start()
         self.prefix.attach(_runtimes(self.gw))
@@ -100,9 +96,6 @@ class ScaleOut:
         self.inflight.start()
         self.metrics.start()
         self.gw.metrics.registry.register(self._collector)
-        listeners = getattr(self.gw, "reload_listeners", None)
-        if listeners is not None:
-            listeners.append(self.reattach)
         log.info(
             "scale-out started",
             extra={"fields": {"origin": self.origin, "mode": self.mode,
@@ -110,27 +103,19 @@ class ScaleOut:
         )  # fmt: skip
 
     def reattach(self, gw: Gateway) -> None:
-        """After a config reload swapped schedulers or pools: hook the new ones."""
+        """After a config reload swapped schedulers or pools: hook the new ones (new pools'
+        data layers follow the scraping switch as they start)."""
         self.prefix.attach(_runtimes(gw))
-        if not self.metrics.leader:
-            self._stopping.extend(install_followers(gw))
-            if self.metrics.taken_over:
-                loop = asyncio.get_running_loop()
-                self._stopping.append(loop.create_task(self._set_scraping(True)))
         self.inflight.attach()
         self.metrics.attach()
 
     async def stop(self) -> None:
-        listeners = getattr(self.gw, "reload_listeners", None)
-        if listeners is not None and self.reattach in listeners:
-            listeners.remove(self.reattach)
         self.gw.metrics.registry.unregister(self._collector)
         self.prefix.stop()
         await self.metrics.stop()
         await self.inflight.stop()
         self.bus.publish(Message(GONE, self.origin, "*"))
         await self.bus.stop()
-        await asyncio.gather(*self._stopping, return_exceptions=True)
         if self.link is not None:
             await self.link.stop()
 
@@ -178,21 +163,22 @@ class ScaleOut:
         }
 
 
-async def start_scaleout(gw: Gateway, app: web.Application | None = None) -> ScaleOut | None:
-    """Join the host's workers and/or peer replicas; None when this process runs alone."""
+async def start_scaleout(
+    gw: Gateway, set_scraping: Callable[[bool], Awaitable[None]]
+) -> ScaleOut | None:
+    """Join the host's workers and/or peer replicas; None when this process runs alone.
+    Call it before any pool starts: a follower worker's pools must not scrape."""
     settings = gw.config.scaleout
     identity = WorkerIdentity.from_env()
     if identity is not None:
         bus = Bus.worker(identity.origin, identity.hub_in, identity.hub_out)
-        scaleout = ScaleOut(gw, settings, bus, "worker", identity.leader)
+        scaleout = ScaleOut(gw, settings, bus, "worker", identity.leader, set_scraping)
     elif settings.replicates:
         link = ReplicaLink(settings)
         replica_id = settings.replica_id or default_replica_id()
         bus = Bus(f"{replica_id}/0", link.pub, link.sub)
-        scaleout = ScaleOut(gw, settings, bus, "replica", True, link)
+        scaleout = ScaleOut(gw, settings, bus, "replica", True, set_scraping, link)
     else:
         return None
     await scaleout.start()
-    if app is not None and SCALEOUT in app:
-        app[SCALEOUT].current = scaleout
     return scaleout

@@ -11,30 +11,35 @@ from aiohttp import web
 from servegate.config import ServegateConfig, parse_config
 from servegate.gateway.app import GATEWAY, Gateway, build_gateway, create_app
 from servegate.gateway.connections import CONNECTIONS, GuardedSite
+from servegate.gateway.lifecycle import RUNNING, RunningGateway
+from servegate.gateway.reload import RELOADER, ConfigSource, Reloader
 from servegate.gateway.server import server_options
 
 
 class GatewayRunner:
-    """`async with GatewayRunner(cfg) as gw:` — `gw.url`, `gw.gateway`, `gw.access_lines()`."""
+    """`async with GatewayRunner(cfg) as gw:` — `gw.url`, `gw.gateway`, `gw.running`,
+    `gw.reloader` (re-reads `source`), `gw.access_lines()`."""
 
     def __init__(
         self,
         config: ServegateConfig | dict[str, Any],
         config_dir: Path | None = None,
         host: str = "127.0.0.1",
+        source: ConfigSource | None = None,
     ) -> None:
         if isinstance(config, dict):
             config = parse_config("", "<test>", environ={}, overrides=config)
         self.config = config
         self._config_dir = config_dir
         self.host = host
+        self.source = source
         self.access_stream = io.BytesIO()
         self._runner: web.AppRunner | None = None
         self.port = 0
 
     async def __aenter__(self) -> GatewayRunner:
         gw = build_gateway(self.config, self._config_dir, self.access_stream)
-        self.app = create_app(gw)
+        self.app = create_app(gw, self.source)
         self._runner = web.AppRunner(
             self.app,
             handler_cancellation=True,
@@ -61,6 +66,14 @@ class GatewayRunner:
     @property
     def gateway(self) -> Gateway:
         return self.app[GATEWAY]
+
+    @property
+    def running(self) -> RunningGateway:
+        return self.app[RUNNING]
+
+    @property
+    def reloader(self) -> Reloader:
+        return self.app[RELOADER]
 
     def access_lines(self) -> list[dict[str, Any]]:
         import orjson

@@ -21,6 +21,7 @@ from servegate.pool.pool import Pool
 __all__ = [
     "Discovery",
     "DiscoverySettings",
+    "FixedMembership",
     "KubernetesDiscoverySettings",
     "LabelSelector",
     "RayDiscoverySettings",
@@ -35,8 +36,19 @@ class Discovery(Protocol):
     async def stop(self) -> None: ...
 
 
-async def start_discovery(settings: DiscoverySettings, pool: Pool) -> Discovery | None:
-    """The running discovery for `settings`; None for static (nothing to follow).
+class FixedMembership:
+    """Static discovery: the config's endpoints, added when the pool was built; nothing to
+    follow while the gateway runs."""
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+async def start_discovery(settings: DiscoverySettings, pool: Pool) -> Discovery:
+    """The running discovery for `settings` (`FixedMembership` for static).
 
     Raises `ConfigError` when Kubernetes credentials cannot be loaded: a gateway
     told to watch a cluster it cannot reach must not start as if it had no pods.
@@ -49,7 +61,7 @@ async def start_discovery(settings: DiscoverySettings, pool: Pool) -> Discovery 
         await ray_discovery.start()
         return ray_discovery
     if not isinstance(settings, KubernetesDiscoverySettings):
-        return None
+        return FixedMembership()
     from servegate.config import ConfigError
     from servegate.pool.discovery.kubeapi import KubeApiError, connect
     from servegate.pool.discovery.kubernetes import KubernetesDiscovery
