@@ -15,12 +15,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from servegate.config import ModelRewrite
 from servegate.pool.discovery import start_discovery
 from servegate.pool.discovery.kubernetes import KubernetesDiscovery
 from servegate.pool.discovery.policy import ClusterPolicy, merge_rewrites
 from servegate.pool.discovery.settings import KubernetesDiscoverySettings
 from servegate.pool.pool import Pool
+from servegate.rewrites import ModelRewrite
 from servegate.testing.kubeapi import X_GROUP, X_VERSION, FakeKubeApi
 
 POOL = "qwen-pool"

@@ -168,8 +168,9 @@ def test_components_define_their_settings_and_config_imports_them(
     graph: dict[str, set[str]],
 ) -> None:
     """Settings are defined once, beside the component that reads them (health checks,
-    metrics scrapes, KV events, outlier detection, tokenisation, flow control); config.py imports them, so
-    no component imports config.py."""
+    metrics scrapes, KV events, outlier detection, tokenisation, flow control; model
+    rewrites, which Kubernetes discovery reads too); config.py imports them, so no
+    component imports config.py."""
     components = ("servegate.datalayer", "servegate.tokenization", "servegate.scheduling")
     offenders = sorted(
         module
@@ -182,8 +183,10 @@ def test_components_define_their_settings_and_config_imports_them(
         "servegate.datalayer.kvevents.settings",
         "servegate.datalayer.outlier",
         "servegate.datalayer.scraper",
+        "servegate.rewrites",
         "servegate.tokenization.settings",
     } <= graph["servegate.config"]
+    assert "servegate.config" not in graph["servegate.pool.discovery.policy"]
 
 
 def test_the_checks_find_what_they_look_for(tmp_path: Path) -> None:

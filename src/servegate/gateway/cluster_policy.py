@@ -18,9 +18,9 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
-from servegate.config import ModelRewrite
 from servegate.gateway.model_routing import RoutingTable
 from servegate.pool.discovery.policy import ClusterPolicy, merge_rewrites
+from servegate.rewrites import ModelRewrite
 
 if TYPE_CHECKING:
     from servegate.gateway.app import Gateway

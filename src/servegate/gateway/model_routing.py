@@ -14,7 +14,7 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from servegate.config import ModelRewrite
+from servegate.rewrites import ModelRewrite
 
 _SCALE = float(1 << 64)
 

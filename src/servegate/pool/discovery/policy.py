@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from servegate.config import ModelRewrite, RewriteRule
+from servegate.rewrites import ModelRewrite, RewriteRule
 
 log = logging.getLogger("servegate.discovery")
 
