@@ -27,7 +27,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -193,8 +193,13 @@ class TritonTokenCounts:
     Owned by the pool's live state, so what was learned survives picker reloads.
     """
 
-    def __init__(self, configured: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        configured: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.models: dict[str, ModelCount] = {}
+        self.clock = clock
         self.configured = dict(configured or {})
         """Model (or `*`) → the tokenizer the pool's settings name; shown, never learned."""
         self.session: aiohttp.ClientSession | None = None
@@ -225,7 +230,7 @@ class TritonTokenCounts:
             entry = self.models[model] = ModelCount()
         if entry.counter is not None:
             return entry.counter
-        if entry.task is None and self.session is not None and time.monotonic() >= entry.retry_at:
+        if entry.task is None and self.session is not None and self.clock() >= entry.retry_at:
             task = asyncio.get_running_loop().create_task(
                 self._learn(model, entry, self.session, base_url, triton_model)
             )
@@ -267,7 +272,7 @@ class TritonTokenCounts:
     def _failed(self, model: str, entry: ModelCount, why: str) -> None:
         entry.failures += 1
         delay = min(BACKOFF_FIRST_S * 2 ** (entry.failures - 1), BACKOFF_MAX_S)
-        entry.retry_at = time.monotonic() + delay
+        entry.retry_at = self.clock() + delay
         entry.source = "estimate"
         entry.detail = why
         if entry.failures == 1:
