@@ -16,6 +16,7 @@ import pytest
 
 from servegate.gateway import triton_tokens
 from servegate.gateway.triton import MODEL_LABEL, TRITON_ENGINE
+from servegate.testing.cluster import SimCluster
 from servegate.testing.gateway import GatewayRunner
 from tests.fake_triton import FakeTriton, processing_config, trtllm_repository
 from tests.hf_folder import write_hf_folder
@@ -246,3 +247,42 @@ async def test_a_configured_tokenizer_counts_without_asking_triton(
     raw = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
     assert usage["prompt_tokens"] == len(raw.encode(PROMPT, add_special_tokens=True).ids)
     assert triton.config_requests == {}
+
+
+async def test_the_simulators_triton_persona_names_its_tokenizer(
+    folder: Path, session: aiohttp.ClientSession
+) -> None:
+    sim = {"model": MODEL, "persona": TRITON_ENGINE, "speed": 200.0, "max_model_len": 2048,
+           "tokenizer": {"path": str(folder)}, "output": {"mode": "echo"}}  # fmt: skip
+    async with SimCluster(1, base=sim) as cluster:
+        cfg = {
+            "gateway": {"port": 0},
+            "pool": {
+                "scrape_interval_s": 0.05,
+                "endpoints": [
+                    {
+                        "url": cluster[0].url,
+                        "engine": TRITON_ENGINE,
+                        "model": MODEL,
+                        "metrics_url": cluster[0].metrics_url,
+                    }
+                ],
+            },
+        }
+        async with GatewayRunner(cfg) as gw:
+            await wait_for(lambda: gw.gateway.pool.ready_count() == 1, what="ready")
+            await complete(session, gw, chat=True, stream=False)
+            await wait_for(lambda: counts(gw)[MODEL]["source"] == "tokenizer", what="learned")
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 7}
+            async with session.post(gw.url + "/v1/completions", json=body) as resp:
+                doc = await resp.json()
+    raw = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    # the persona says add_special_tokens "false": it tokenises text_input as it is
+    assert doc["usage"]["prompt_tokens"] == len(raw.encode(PROMPT, add_special_tokens=False).ids)
+    text = doc["choices"][0]["text"]
+    assert doc["usage"]["completion_tokens"] == len(raw.encode(text, add_special_tokens=False).ids)
+    # echo mode generates the prompt's own tokens, which re-encode to themselves: the count
+    # is also the engine's (7 generated, the whole max_tokens)
+    assert doc["usage"]["completion_tokens"] == 7
+    assert doc["choices"][0]["finish_reason"] == "length"
+    assert doc["usage"]["token_count_source"] == "tokenizer"
