@@ -12,6 +12,7 @@ import pytest
 from tests.fake_triton import FakeTriton, ensemble_config, processing_config, trtllm_repository
 from tests.hf_folder import write_hf_folder
 
+from servegate.gateway import triton_tokens
 from servegate.gateway.triton_tokens import (
     ModelCount,
     TokenizerDir,
@@ -150,3 +151,16 @@ async def test_one_learning_at_a_time_and_close_cancels_it(
     assert counts.models["m"].task is None
     assert counts.status() == {"m": {"source": "pending", "detail": "", "failures": 0}}
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def test_models_beyond_the_bound_are_estimated_untracked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(triton_tokens, "MAX_MODELS", 2)
+    async with FakeTriton({}, "") as triton, aiohttp.ClientSession() as session:
+        counts = TritonTokenCounts()
+        counts.bind_session(session)
+        for name in ("a", "b", "c"):
+            assert counts.counter(name, triton.url, name) is None
+        await counts.close()
+    assert sorted(counts.models) == ["a", "b"]

@@ -325,8 +325,7 @@ class TritonTranslator:
 def _counter(settings: TokenizerSettings | None) -> TokenCounter:
     if settings is None:
         return ESTIMATE
-    source = settings.fallback if settings.source == "engine" else settings.source
-    return TokenCounter(local_tokenizer(source, settings.path))
+    return TokenCounter(local_tokenizer(settings.local_source, settings.path))
 
 
 def completion_response(

@@ -46,6 +46,8 @@ PREPROCESSING = "preprocessing"
 CONFIG_TIMEOUT_S = 3.0
 BACKOFF_FIRST_S = 5.0
 BACKOFF_MAX_S = 300.0
+MAX_MODELS = 1024
+"""Models learned per pool at most: the name comes from the client; beyond it, estimates."""
 TRUE_STRINGS = ("true", "1", "t", "y", "yes")
 BOOL_STRINGS = (*TRUE_STRINGS, "false", "0", "f", "n", "no")
 
@@ -213,7 +215,7 @@ class TritonTokenCounts:
         ]:
             if tok is None:
                 continue
-            source = tok.fallback if tok.source == "engine" else tok.source
+            source = tok.local_source
             if source in ("hf", "simulator"):
                 configured[name] = tok.path if source == "hf" and tok.path else source
         return cls(configured)
@@ -227,6 +229,8 @@ class TritonTokenCounts:
         Never waits: the caller estimates until a counter is learned."""
         entry = self.models.get(model)
         if entry is None:
+            if len(self.models) >= MAX_MODELS:
+                return None
             entry = self.models[model] = ModelCount()
         if entry.counter is not None:
             return entry.counter
