@@ -1,7 +1,8 @@
 """One pool's runtime: its live state, its scheduler, its flow control, its proxy.
 
 The live part (`PoolState`: the Pool, its data layer, discovery, passive health, and
-what routing learned: the latency predictor, prefix indexes, session bindings)
+what was learned: the latency predictor, prefix indexes, session bindings, Triton
+models' tokenizers)
 outlives a reload that leaves the pool's own settings alone; the routing part
 (`PoolRuntime`: scheduler, admission, cache routing, proxy) is rebuilt when its
 picker or flow control change. A request keeps the runtime it started with.
@@ -42,6 +43,7 @@ from servegate.gateway.proxy import Proxy
 from servegate.gateway.retry import RetryBudget
 from servegate.gateway.transport import UpstreamTransport
 from servegate.gateway.triton import TritonTranslator
+from servegate.gateway.triton_tokens import TritonTokenCounts
 from servegate.pool.discovery import Discovery, start_discovery
 from servegate.pool.pool import Pool
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
@@ -74,6 +76,8 @@ class PoolState:
     routing: RoutingState = field(default_factory=RoutingState)
     """The pool's prefix indexes and session bindings: learned state that survives picker
     reloads; the KV-event manager and scale-out feed it, plugins receive it as a service."""
+    triton_tokens: TritonTokenCounts = field(default_factory=TritonTokenCounts)
+    """Per model, the tokenizer learned from Triton's model configuration (`usage`)."""
 
     def same_as(self, settings: PoolSettings, outlier: OutlierDetectionSettings) -> bool:
         return self.settings == settings and self.outlier_settings == outlier
@@ -86,8 +90,11 @@ class PoolState:
             self.datalayer = build_pool_datalayer(self.settings, self.pool, control, self.engines)
         await self.datalayer.start()
         self.discovery = await start_discovery(self.settings.discovery, self.pool)
+        self.triton_tokens.bind_session(control)
 
     async def stop(self) -> None:
+        await self.triton_tokens.close()
+        self.triton_tokens.bind_session(None)
         if self.discovery is not None:
             await self.discovery.stop()
             self.discovery = None
@@ -126,7 +133,10 @@ def build_pool_state(
     detector = OutlierDetector(
         pool, outlier, on_eject=lambda state, _s: metrics.ejections.labels(state.address).inc()
     )
-    state = PoolState(settings, outlier, pool, engines, detector)
+    state = PoolState(
+        settings, outlier, pool, engines, detector,
+        triton_tokens=TritonTokenCounts.from_pool(settings),
+    )  # fmt: skip
     predictor = state.latency
     pool.subscribe(lambda event, s: predictor.forget([s.address]) if event == "removed" else None)
     return state
@@ -229,7 +239,7 @@ def build_runtime(
         ),
     )
     try:
-        triton = TritonTranslator.from_pool(settings, config_dir)
+        triton = TritonTranslator.from_pool(settings, config_dir, state.triton_tokens)
     except (ChatTemplateError, TokenizerError) as exc:
         raise ConfigError(f"pool {entry.name!r}: {exc}") from exc
     registry = CollectorRegistry(auto_describe=True)
@@ -237,8 +247,9 @@ def build_runtime(
     flow = entry.flow_control or config.flow_control
     admission = build_admission(flow, state.pool, registry, picker_doc, scheduler.plugins)
     cache = build_cache_routing(
-        config.model_copy(update={"pool": settings}), state.pool, scheduler, registry
-    )
+        config.model_copy(update={"pool": settings}), state.pool, scheduler, registry,
+        state.triton_tokens,
+    )  # fmt: skip
     transport = transport or transport_for(config.gateway.upstream_client)
     proxy = Proxy(transport, config.gateway, metrics, state.outlier, budget, triton, state.engines)
     disagg = build_disaggregator(

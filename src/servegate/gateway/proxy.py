@@ -353,7 +353,9 @@ class Proxy:
             triton: TritonRequest | None = None
             if self._adapts(state.endpoint.engine):
                 if translated is None:
-                    translated = self.triton.prepare(path, body, headers.get("X-Request-ID", ""))
+                    translated = self.triton.prepare(
+                        path, body, headers.get("X-Request-ID", ""), state.endpoint
+                    )
                 triton = translated
             record.retries = attempt
             record.endpoint = state.address
