@@ -12,8 +12,10 @@ what its framing needs (`Content-Length` or chunked transfer, `Connection`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Protocol
+
+from servegate.control.errors import GatewayError, error_answer, error_headers
 
 Headers = Iterable[tuple[str, str]]
 
@@ -54,3 +56,10 @@ class ClientSink(Protocol):
     def abort(self) -> None:
         """Cut the connection: the answer has begun and cannot be finished honestly."""
         ...
+
+
+async def send_error(
+    sink: ClientSink, exc: GatewayError, extra_headers: Mapping[str, str] | None = None
+) -> None:
+    """`exc` as the whole answer, in OpenAI's error format."""
+    await sink.respond(exc.status, error_headers(exc, extra_headers), error_answer(exc))

@@ -25,6 +25,7 @@ from aiohttp import web
 
 from servegate.config import GatewaySettings, ServegateConfig
 from servegate.control.director import DISAGG_KINDS, Director, Parser
+from servegate.control.sink import send_error
 from servegate.control.snapshot import RoutingSnapshot
 from servegate.datalayer import DataLayer
 from servegate.datalayer.outlier import OutlierDetector
@@ -71,6 +72,7 @@ from servegate.gateway.pools import (
 from servegate.gateway.probes import ProbeServer
 from servegate.gateway.proxy import Proxy, forward_headers
 from servegate.gateway.retry import RetryBudget
+from servegate.gateway.sink import AiohttpSink
 from servegate.gateway.tenants import Tenant, TenantTable
 from servegate.gateway.transport import UpstreamTransport
 from servegate.gateway.ui import DecisionLog, add_ui_routes
@@ -302,7 +304,7 @@ async def _inference(
     started = time.monotonic()
     headers = _lower_headers(request)
     ctx = director.begin(_request_id(request), request.method, request.path, headers, started)
-    response: web.StreamResponse | None = None
+    sink = AiohttpSink(request)
     try:
         director.authorise(ctx)
         body = await _read_body(ctx.snapshot.config.gateway, request)
@@ -311,19 +313,20 @@ async def _inference(
             request.headers,
             ctx.request_id,
             strip_authorization=ctx.snapshot.tenants.enabled,
-            client=request.remote,
+            client=sink.remote,
         )
         if ctx.upstream_headers:
             upstream_headers.update(ctx.upstream_headers)
         if kind in DISAGG_KINDS and runtime.disagg.handles(decision):
-            response = await runtime.disagg.forward(request, ctx, upstream_headers)
+            await runtime.disagg.forward(sink, ctx, upstream_headers)
         else:
-            response = await runtime.proxy.forward(request, ctx, upstream_headers)
+            await runtime.proxy.forward(sink, ctx, upstream_headers)
         director.complete(ctx)
-        return response
+        return sink.answer()
     except GatewayError as exc:
         director.fail(ctx, exc)
-        response = render(exc, {"X-Request-ID": ctx.request_id})
+        await send_error(sink, exc, {"X-Request-ID": ctx.request_id})
+        response = sink.answer()
         if isinstance(exc, RequestTimeout):
             await _answer_and_close(request, response)
         return response
@@ -332,15 +335,15 @@ async def _inference(
         ctx.record.error = "client disconnected"
         raise
     except Exception as exc:
-        if PREPARED.get():
+        if sink.started:
             ctx.record.error = describe(exc)
             raise  # the answer has begun: only a cut connection can say it failed
         log.exception("unexpected error on request %s", ctx.request_id)
         error = InternalError(f"the gateway failed: {describe(exc)}")
         director.fail(ctx, error)
         ctx.record.error = describe(exc)
-        response = render(error, {"X-Request-ID": ctx.request_id})
-        return response
+        await send_error(sink, error, {"X-Request-ID": ctx.request_id})
+        return sink.answer()
     finally:
         director.finish(ctx)
 
