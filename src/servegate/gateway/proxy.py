@@ -12,7 +12,7 @@ feeds passive health (`datalayer/outlier.py`).
 Foreign exceptions are translated to `errors.py` types here and nowhere else.
 
 The answer reaches the client through a `ClientSink` (`control/sink.py`): aiohttp's
-server (`sink.py`) and ASGI hosts (`integrations/asgi_app.py`) relay through this one
+server (`sink.py`) and ASGI hosts (`integrations/asgi_gateway.py`) relay through this one
 proxy.
 
 An engine whose `EngineSpec` names a request adapter speaks no OpenAI: for it each
