@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -259,21 +260,25 @@ async def test_a_body_over_the_limit_is_an_openai_413(
 
 
 @pytest.mark.parametrize(
-    ("body", "status"),
+    ("encoding", "body", "status"),
     [
-        pytest.param(gzip.compress(chat(False)), 200, id="gzip"),
-        pytest.param(gzip.compress(chat(False))[:-12], 400, id="truncated"),
-        pytest.param(chat(False), 400, id="not-gzip-at-all"),
+        pytest.param("gzip", gzip.compress(chat(False)), 200, id="gzip"),
+        pytest.param("deflate", zlib.compress(chat(False)), 200, id="deflate"),
+        pytest.param("gzip", gzip.compress(chat(False))[:-12], 400, id="truncated"),
+        pytest.param("gzip", chat(False), 400, id="not-gzip-at-all"),
+        pytest.param("deflate", zlib.compress(chat(False))[2:-4], 200, id="raw-deflate"),
+        pytest.param("zstd", chat(False), 400, id="undecodable"),
+        pytest.param("x-unknown", chat(False), 200, id="unknown-is-left-as-it-is"),
     ],
 )
-async def test_a_compressed_body_is_decoded_or_an_openai_400(
-    gateway: GatewayASGI, body: bytes, status: int
+async def test_a_compressed_body_is_decoded_or_an_openai_error(
+    gateway: GatewayASGI, encoding: str, body: bytes, status: int
 ) -> None:
     client = Client(body)
-    headers = {"content-encoding": "gzip"}
+    headers = {"content-encoding": encoding}
     await call(gateway, client, "POST", "/v1/chat/completions", headers=headers)
     assert client.status == status
-    if status == 400:
+    if status >= 400:
         assert client.error()["type"] == "invalid_request_error"
 
 

@@ -8,7 +8,6 @@ aiohttp's middlewares and `on_response_prepare` see it as before; a streamed one
 from __future__ import annotations
 
 from aiohttp import web
-from multidict import CIMultiDict
 
 from servegate.control.sink import Headers
 
@@ -30,10 +29,10 @@ class AiohttpSink:
         return self._request.remote
 
     async def respond(self, status: int, headers: Headers, body: bytes) -> None:
-        self.response = web.Response(status=status, body=body, headers=CIMultiDict(headers))
+        self.response = web.Response(status=status, body=body, headers=headers)
 
     async def start(self, status: int, headers: Headers, content_length: int | None) -> None:
-        response = self.response = web.StreamResponse(status=status, headers=CIMultiDict(headers))
+        response = self.response = web.StreamResponse(status=status, headers=headers)
         if content_length is not None:
             response.content_length = content_length
         await response.prepare(self._request)

@@ -43,7 +43,6 @@ from servegate.control.errors import (
     ShuttingDown,
     clip,
     describe,
-    for_status,
 )
 from servegate.control.sink import send_error
 from servegate.gateway.admin import (
@@ -88,8 +87,9 @@ INFERENCE_KINDS: Mapping[str, RequestKind] = {
     "/v1/messages": RequestKind.MESSAGES,
     **{path: RequestKind.OTHER for path in PASSTHROUGH_ROUTES},
 }
-DECODERS: Mapping[str, int] = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS}
-"""zlib's window bits per request `Content-Encoding` (`deflate` is zlib's default)."""
+UNDECODABLE = frozenset({"br", "zstd"})
+"""Encodings aiohttp's server knows but cannot decode without an optional library (not
+installed with servegate): a 400 there, a 400 here."""
 DRAIN_PATH = re.compile(r"^/admin/endpoints/(?P<address>[^/]+)/(?P<action>drain|undrain)$")
 JSON = [("Content-Type", "application/json")]
 
@@ -158,17 +158,19 @@ class Exchange:
 
 
 def _decoded(body: bytes, encoding: str, limit: int) -> bytes:
-    """The body without its `Content-Encoding` (as aiohttp's server decodes one), never
-    inflated past `limit` bytes."""
+    """The body without its `Content-Encoding`, decoded as aiohttp's server decodes one
+    (gzip; deflate with or without its zlib header; any encoding it does not know is
+    left as it is), never inflated past `limit` bytes."""
     name = encoding.strip().lower()
-    if name in ("", "identity"):
-        return body
-    if name == "deflate":
-        bits = zlib.MAX_WBITS
-    elif name in DECODERS:
-        bits = DECODERS[name]
+    if name in UNDECODABLE:
+        raise BadRequest(f"the request body cannot be decoded: Content-Encoding {name}")
+    if name == "gzip":
+        bits = 16 + zlib.MAX_WBITS
+    elif name == "deflate":
+        zlib_header = bool(body) and body[0] & 0x0F == 8
+        bits = zlib.MAX_WBITS if zlib_header else -zlib.MAX_WBITS
     else:
-        raise for_status(415, f"Content-Encoding {clip(encoding)!r} is not supported here")
+        return body
     inflater = zlib.decompressobj(bits)
     try:
         out = inflater.decompress(body, limit + 1)
