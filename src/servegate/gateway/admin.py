@@ -124,6 +124,25 @@ def runtime_state(runtime: PoolRuntime, now: float | None = None) -> dict[str, A
     return out
 
 
+def set_draining(gw: Gateway, address: str, draining: bool) -> dict[str, Any]:
+    """Drain (or undrain) `address` in every pool that has it; raises `NotFound`."""
+    owners = [r for r in gw.runtimes if r.pool.set_draining(address, draining)]
+    if not owners:
+        raise NotFound(f"no endpoint {address!r} in any pool")
+    for runtime in owners:
+        runtime.admission.completed()
+    return {"address": address, "draining": draining}
+
+
+async def reload_config(gw: Gateway) -> tuple[int, dict[str, Any]]:
+    """Reload the gateway's config file: the status and body of the answer."""
+    if gw.reloader is None:
+        return 409, {"ok": False, "error": "this gateway was not started from a file"}
+    result = await gw.reloader.reload()
+    body = {"ok": result.ok, "error": result.error, "pools": list(result.pools)}
+    return 200 if result.ok else 422, body
+
+
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
@@ -146,16 +165,9 @@ def add_admin_routes(app: web.Application, gateway_key: web.AppKey[Gateway]) -> 
     def _set_draining(draining: bool) -> Handler:
         async def handler(request: web.Request) -> web.Response:
             try:
-                gw = _gw(request)
-                address = request.match_info["address"]
-                owners = [r for r in gw.runtimes if r.pool.set_draining(address, draining)]
-                if not owners:
-                    raise NotFound(f"no endpoint {address!r} in any pool")
+                return _json(set_draining(_gw(request), request.match_info["address"], draining))
             except GatewayError as exc:
                 return render(exc)
-            for runtime in owners:
-                runtime.admission.completed()
-            return _json({"address": address, "draining": draining})
 
         return handler
 
@@ -170,11 +182,8 @@ def add_admin_routes(app: web.Application, gateway_key: web.AppKey[Gateway]) -> 
             gw = _gw(request)
         except GatewayError as exc:
             return render(exc)
-        if gw.reloader is None:
-            return _json({"ok": False, "error": "this gateway was not started from a file"}, 409)
-        result = await gw.reloader.reload()
-        body = {"ok": result.ok, "error": result.error, "pools": list(result.pools)}
-        return _json(body, 200 if result.ok else 422)
+        status, body = await reload_config(gw)
+        return _json(body, status)
 
     app.router.add_get("/admin/pool", get_pool)
     app.router.add_get("/admin/pools", get_pools)
