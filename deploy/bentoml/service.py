@@ -1,11 +1,10 @@
 """servegate's gateway as a BentoML service (docs/backends.md, "BentoML").
 
-The gateway is an aiohttp application and BentoML serves ASGI, so the service
-mounts `GatewayASGI` at `/`: it runs the real gateway in the service's process
-and event loop on a loopback port and relays each request to it (one loopback
-hop; streaming, errors and metrics are the gateway's own). BentoML's own routes
-(`/healthz`, `/livez`, `/readyz`, `/metrics`) stay BentoML's; the gateway's
-`/v1/*`, `/health`, `/ready` and `/admin/*` pass through.
+BentoML serves ASGI, so the service mounts `GatewayASGI` at `/`: the gateway's
+request path runs directly in the service's process and event loop (no loopback
+hop, no socket of its own; streaming, retries, errors and metrics are the
+gateway's own). BentoML's own routes (`/healthz`, `/livez`, `/readyz`, `/metrics`)
+stay BentoML's; the gateway answers `/v1/*`, `/health`, `/ready` and `/admin/*`.
 
 The gateway's config is `gateway.yaml` next to this file, or the file named by
 `SERVEGATE_CONFIG`; `SERVEGATE_*__*` variables override single fields.

@@ -1,16 +1,19 @@
-"""The same requests through both data planes, with the same outcome.
+"""The same requests through every data plane, with the same outcome.
 
-One set of recording replicas serves two gateways built from one configuration: the
-HTTP gateway (a real aiohttp server) and the ext_proc picker (a real gRPC server,
-driven by the repo's Envoy stand-in, `extproc/client.py`, with the test forwarding
-where the picker says, as Envoy's router would). Every scenario must reach the same
-replica with the same model and routing headers, and answer the client with the same
-status and gateway headers. Before the `Director` both planes share, ext_proc served
-the first pool only and ignored every model rewrite; these scenarios catch that.
+One set of recording replicas serves three gateways built from one configuration: the
+HTTP gateway (a real aiohttp server), the ext_proc picker (a real gRPC server, driven
+by the repo's Envoy stand-in, `extproc/client.py`, with the test forwarding where the
+picker says, as Envoy's router would) and the ASGI application (`GatewayASGI`, called
+in-process with ASGI messages as a host such as Ray Serve's proxy would). Every
+scenario must reach the same replica with the same model and routing headers, and
+answer the client with the same status and gateway headers. Before the `Director` the
+planes share, ext_proc served the first pool only and ignored every model rewrite, and
+the ASGI plane relayed over loopback to an HTTP gateway; these scenarios catch both.
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +29,7 @@ from servegate.config import parse_config
 from servegate.extproc.client import ProxyStream
 from servegate.extproc.server import ExtProcServer
 from servegate.gateway.app import Gateway, build_gateway
+from servegate.integrations.asgi_gateway import GatewayASGI, Message
 from servegate.testing.gateway import GatewayRunner
 from tests.disagg_pickers import PD_HANDLER, disagg_picker
 from tests.integration.conftest import wait_for
@@ -332,12 +336,50 @@ async def through_extproc(
     return outcome(status, mutation, reps, None)
 
 
-async def test_every_scenario_has_the_same_outcome_in_both_planes(
+async def through_asgi(
+    app: GatewayASGI, reps: dict[str, Replica], scenario: Scenario, rid: str
+) -> Outcome:
+    headers = {"x-request-id": rid, "content-type": "application/json", **dict(scenario.headers)}
+    if scenario.subset is not None:
+        headers["x-gateway-destination-endpoint-subset"] = ",".join(
+            reps[n].address for n in scenario.subset
+        )
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": CHAT,
+        "raw_path": CHAT.encode(),
+        "query_string": b"",
+        "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 40000),
+    }
+    inbox = [{"type": "http.request", "body": request_body(scenario), "more_body": False}]
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        if inbox:
+            return inbox.pop()
+        await asyncio.Event().wait()  # the client stays until the app is done
+        raise AssertionError("unreachable")
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    start, body = sent[0], b"".join(m.get("body", b"") for m in sent[1:])
+    assert sent[-1]["more_body"] is False
+    answer = {k.decode(): v.decode() for k, v in start["headers"]}
+    error = orjson.loads(body)["error"]["type"] if start["status"] >= 400 else None
+    return outcome(start["status"], answer, reps, error)
+
+
+async def test_every_scenario_has_the_same_outcome_in_every_plane(
     replicas: dict[str, Replica],
 ) -> None:
     cfg = parse_config("", "<test>", environ={}, overrides=config(replicas))
     http_outcomes: dict[str, Outcome] = {}
     extproc_outcomes: dict[str, Outcome] = {}
+    asgi_outcomes: dict[str, Outcome] = {}
     async with GatewayRunner(config(replicas)) as runner:
         await ready(runner.gateway)
         for scenario in SCENARIOS:
@@ -352,8 +394,21 @@ async def test_every_scenario_has_the_same_outcome_in_both_planes(
                     channel, replicas, scenario, f"r-{scenario.id}"
                 )
         assert all(s.in_flight_requests == 0 for r in server.gw.runtimes for s in r.pool)
+    app = GatewayASGI(cfg)
+    await app.start()
+    try:
+        assert app.gateway is not None
+        await ready(app.gateway)
+        for scenario in SCENARIOS:
+            asgi_outcomes[scenario.id] = await through_asgi(
+                app, replicas, scenario, f"r-{scenario.id}"
+            )
+        assert all(s.in_flight_requests == 0 for r in app.gateway.runtimes for s in r.pool)
+    finally:
+        await app.stop()
     for scenario in SCENARIOS:
         assert extproc_outcomes[scenario.id] == http_outcomes[scenario.id], scenario.id
+        assert asgi_outcomes[scenario.id] == http_outcomes[scenario.id], scenario.id
 
     # and the outcomes are the intended ones, not merely equal
     got = http_outcomes

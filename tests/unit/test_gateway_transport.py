@@ -6,12 +6,9 @@ from __future__ import annotations
 import io
 import time
 from typing import Any
-from unittest import mock
 
 import orjson
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import make_mocked_coro, make_mocked_request
 
 from servegate.config import parse_config
 from servegate.control.context import RequestContext
@@ -19,6 +16,7 @@ from servegate.gateway.app import Gateway, build_gateway
 from servegate.gateway.errors import GatewayError
 from servegate.pool.endpoint import EndpointMetrics
 from servegate.scheduling.request import RequestKind
+from servegate.testing.sink import RecordingSink
 from servegate.testing.transport import JSON, SSE, InMemoryTransport, Reply
 
 PRIMARY, FALLBACK = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -50,40 +48,24 @@ def gateway(transport: InMemoryTransport) -> Gateway:
     return gw
 
 
-class Client:
-    """The client's side of one request: a mocked aiohttp request whose writes are kept."""
-
-    def __init__(self) -> None:
-        self.writer = mock.Mock()
-        self.writer.write_headers = make_mocked_coro(None)
-        self.writer.write = make_mocked_coro(None)
-        self.writer.write_eof = make_mocked_coro(None)
-        self.writer.drain = make_mocked_coro(None)
-        self.request = make_mocked_request("POST", CHAT, writer=self.writer)
-
-    @property
-    def written(self) -> bytes:
-        calls = [*self.writer.write.call_args_list, *self.writer.write_eof.call_args_list]
-        return b"".join(bytes(c.args[0]) for c in calls if c.args)
-
-
 async def send(
-    gw: Gateway, stream: bool = False
-) -> tuple[RequestContext, web.StreamResponse | GatewayError, Client]:
+    gw: Gateway, stream: bool = False, sink: RecordingSink | None = None
+) -> tuple[RequestContext, RecordingSink | GatewayError]:
     """One chat request through the Director and the proxy, finished like the HTTP adapter."""
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
-    director, client = gw.director, Client()
+    director, sink = gw.director, sink or RecordingSink()
     ctx = director.begin("r-1", "POST", CHAT, {}, time.monotonic())
     runtime, _ = await director.route(ctx, orjson.dumps(body), RequestKind.CHAT, None)
-    answer: web.StreamResponse | GatewayError
+    answer: RecordingSink | GatewayError
     try:
-        answer = await runtime.proxy.forward(client.request, ctx, {"X-Request-ID": "r-1"})
+        await runtime.proxy.forward(sink, ctx, {"X-Request-ID": "r-1"})
         director.complete(ctx)
+        answer = sink
     except GatewayError as exc:
         director.fail(ctx, exc)
         answer = exc
     director.finish(ctx)
-    return ctx, answer, client
+    return ctx, answer
 
 
 def retries(gw: Gateway, kind: str) -> float:
@@ -113,8 +95,8 @@ async def test_a_failure_before_the_first_byte_moves_to_the_fallback(
 ) -> None:
     transport = InMemoryTransport({PRIMARY: primary, FALLBACK: Reply(chunks=(ANSWER,))})
     gw = gateway(transport)
-    ctx, answer, _ = await send(gw)
-    assert isinstance(answer, web.Response)
+    ctx, answer = await send(gw)
+    assert isinstance(answer, RecordingSink) and not answer.streamed
     assert (answer.status, answer.body) == (200, ANSWER)
     assert [s.address for s in transport.sent] == [PRIMARY, FALLBACK]
     assert (ctx.record.endpoint, ctx.record.retries, ctx.record.status) == (FALLBACK, 1, 200)
@@ -129,7 +111,7 @@ async def test_a_failure_before_the_first_byte_moves_to_the_fallback(
 async def test_the_last_attempt_failing_is_the_clients_error() -> None:
     transport = InMemoryTransport({PRIMARY: Reply(refuse=True), FALLBACK: Reply(delay_s=1.0)})
     gw = gateway(transport)
-    ctx, answer, _ = await send(gw)
+    ctx, answer = await send(gw)
     assert isinstance(answer, GatewayError)
     assert (answer.status, answer.code) == (504, "upstream_timeout")
     assert ctx.record.status == 504
@@ -141,8 +123,8 @@ async def test_a_503_on_the_last_attempt_is_relayed() -> None:
     error = b'{"error": {"message": "overloaded"}}'
     transport = InMemoryTransport({PRIMARY: Reply(status=503), FALLBACK: Reply(503, (error,))})
     gw = gateway(transport)
-    _, answer, _ = await send(gw)
-    assert isinstance(answer, web.Response)
+    _, answer = await send(gw)
+    assert isinstance(answer, RecordingSink) and not answer.streamed
     assert (answer.status, answer.body) == (503, error)
 
 
@@ -150,10 +132,10 @@ async def test_a_midstream_failure_ends_the_stream_with_an_error_event_and_no_re
     primary = Reply(headers=SSE, chunks=(EVENT, EVENT, EVENT), cut_after=2)
     transport = InMemoryTransport({PRIMARY: primary, FALLBACK: Reply(chunks=(ANSWER,))})
     gw = gateway(transport)
-    ctx, answer, client = await send(gw, stream=True)
-    assert isinstance(answer, web.StreamResponse) and answer.status == 200
+    ctx, answer = await send(gw, stream=True)
+    assert isinstance(answer, RecordingSink) and answer.streamed and answer.status == 200
     assert [s.address for s in transport.sent] == [PRIMARY]  # bytes reached the client
-    written = client.written
+    written = answer.body
     assert written.startswith(EVENT + EVENT)
     (last,) = [line for line in written.split(b"\n\n") if b'"error"' in line]
     assert orjson.loads(last[len(b"data: ") :])["error"]["code"] == "upstream_failed"
@@ -171,9 +153,9 @@ async def test_a_stream_relays_every_event_and_counts_on_the_serving_endpoint() 
     state = gw.pool.get(PRIMARY)
     assert state is not None
     picks = state.picks
-    ctx, answer, client = await send(gw, stream=True)
-    assert isinstance(answer, web.StreamResponse)
-    assert client.written == b"".join(chunks)
+    ctx, answer = await send(gw, stream=True)
+    assert isinstance(answer, RecordingSink) and answer.streamed and answer.ended
+    assert answer.body == b"".join(chunks)
     assert (ctx.record.prompt_tokens, ctx.record.completion_tokens) == (3, 2)
     assert state.picks == picks + 1  # one count for the pick, none added by the attempt
     assert idle(gw)
@@ -181,6 +163,18 @@ async def test_a_stream_relays_every_event_and_counts_on_the_serving_endpoint() 
 
 async def test_the_json_content_type_reaches_the_client() -> None:
     transport = InMemoryTransport({PRIMARY: Reply(headers=JSON, chunks=(ANSWER,))})
-    _, answer, _ = await send(gateway(transport))
-    assert isinstance(answer, web.Response)
-    assert answer.content_type == "application/json"
+    _, answer = await send(gateway(transport))
+    assert isinstance(answer, RecordingSink) and not answer.streamed
+    assert answer.headers["Content-Type"] == "application/json"
+
+
+async def test_a_client_leaving_mid_stream_stops_the_upstream_request() -> None:
+    chunks = (EVENT, EVENT, EVENT, b"data: [DONE]\n\n")
+    transport = InMemoryTransport({PRIMARY: Reply(headers=SSE, chunks=chunks)})
+    gw = gateway(transport)
+    ctx, answer = await send(gw, stream=True, sink=RecordingSink(leave_after=1))
+    assert isinstance(answer, RecordingSink) and not answer.ended
+    assert answer.body == EVENT
+    assert (ctx.record.status, ctx.record.error) == (499, "client disconnected")
+    assert transport.responses[-1].closed
+    assert idle(gw)

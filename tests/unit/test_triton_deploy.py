@@ -11,6 +11,7 @@ import pytest
 
 from servegate.config import load_config
 from servegate.gateway.triton import TritonTranslator
+from servegate.gateway.triton_tokens import TokenizerDir, ensemble_steps, tokenizer_dir
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "triton"
 REPOSITORY = DEPLOY / "model_repository"
@@ -134,3 +135,27 @@ def test_servegate_config_is_valid() -> None:
     assert engines == {"triton-tensorrt-llm", "vllm"}
     triton = cfg.pool.endpoints[0].to_endpoint(cfg.pool.name)
     assert triton.labels["servegate.io/triton-model"] == "ensemble"
+
+
+def as_served(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The parts of Triton's `GET /v2/models/{m}/config` JSON that servegate reads: a map field
+    (`parameters`) is an object keyed by `key`, a repeated message a list."""
+    out: dict[str, Any] = {}
+    parameters = {
+        p["key"][0]: {"string_value": p["value"][0]["string_value"][0]}
+        for p in cfg.get("parameters", [])
+    }
+    if parameters:
+        out["parameters"] = parameters
+    if "ensemble_scheduling" in cfg:
+        steps = cfg["ensemble_scheduling"][0]["step"][0]
+        out["ensemble_scheduling"] = {"step": [{"model_name": s["model_name"][0]} for s in steps]}
+    return out
+
+
+def test_the_example_repository_names_its_tokenizer_where_servegate_looks() -> None:
+    steps = ensemble_steps(as_served(config("ensemble")))
+    assert steps == ["preprocessing", "tensorrt_llm", "postprocessing"]
+    found = tokenizer_dir(as_served(config("preprocessing")), "preprocessing")
+    assert found == TokenizerDir("/models/llama-3-8b-instruct", False, "preprocessing")
+    assert tokenizer_dir(as_served(config("ensemble")), "ensemble") is None

@@ -24,9 +24,10 @@ Each class also names llm-d's error code (`canonical`: `BadRequest`, `NotFound`,
 `ResourceExhausted`, `ServiceUnavailable`, …), the `error_code` label of
 `llm_d_epp_request_error_total` and `inference_objective_request_error_total`.
 
-Both data planes map these: the HTTP gateway renders one as a JSON response
-(`gateway/errors.py`'s `render`), the ext_proc picker as an `ImmediateResponse`; so this
-module imports no HTTP framework. Foreign exceptions (aiohttp, asyncio timeouts) are
+Every data plane maps these: the planes that carry bodies write one through their
+`ClientSink` (`control/sink.py`'s `send_error`; `gateway/errors.py`'s `render` for
+aiohttp's own routes), the ext_proc picker as an `ImmediateResponse`; so this module
+imports no HTTP framework. Foreign exceptions (aiohttp, asyncio timeouts) are
 translated in `gateway/proxy.py` with `raise … from exc`.
 """
 
@@ -226,6 +227,25 @@ def error_body(message: str, type_: str, code: str | int | None, param: str | No
     return orjson.dumps(
         {"error": {"message": message, "type": type_, "param": param, "code": code}}
     )
+
+
+def error_headers(
+    exc: GatewayError, extra_headers: Mapping[str, str] | None = None
+) -> list[tuple[str, str]]:
+    """The headers of `exc`'s answer, in the order they are sent: its own, the request's
+    (`extra_headers`), then the JSON content type."""
+    headers = dict(exc.headers)
+    headers.update(exc.extra_headers)
+    if extra_headers:
+        headers.update(extra_headers)
+    out = [(k, v) for k, v in headers.items() if k.lower() != "content-type"]
+    out.append(("Content-Type", "application/json"))
+    return out
+
+
+def error_answer(exc: GatewayError) -> bytes:
+    """`exc` as the body of an answer."""
+    return error_body(exc.message, exc.type, exc.code, exc.param)
 
 
 def sse_error_event(exc: GatewayError) -> bytes:

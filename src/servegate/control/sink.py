@@ -2,9 +2,13 @@
 
 The proxy (`gateway/proxy.py`) and the P/D forwarder read the replica through an
 `UpstreamTransport` and write the client's answer through a `ClientSink`, so that one
-relay serves every data plane that carries bodies: aiohttp's server, the lean HTTP/1.1
-server protocol and ASGI hosts (Ray Serve, BentoML). Envoy's ext_proc carries no body
-through the gateway and has no sink.
+relay serves every data plane that carries bodies: aiohttp's server (`AiohttpSink`,
+`gateway/sink.py`) and ASGI hosts such as Ray Serve and BentoML (`AsgiSink`,
+`integrations/asgi_sink.py`); `servegate.testing.sink.RecordingSink` keeps an answer for
+tests. Envoy's ext_proc carries no body through the gateway and has no sink.
+
+A sink raises `ConnectionResetError` from `write` or `end` once its client has left; the
+relay then closes the replica's request and accounts a 499.
 
 Headers are `(name, value)` pairs in the order they are to be sent; a sink adds only
 what its framing needs (`Content-Length` or chunked transfer, `Connection`).
@@ -12,8 +16,10 @@ what its framing needs (`Content-Length` or chunked transfer, `Connection`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Protocol
+
+from servegate.control.errors import GatewayError, error_answer, error_headers
 
 Headers = Iterable[tuple[str, str]]
 
@@ -54,3 +60,10 @@ class ClientSink(Protocol):
     def abort(self) -> None:
         """Cut the connection: the answer has begun and cannot be finished honestly."""
         ...
+
+
+async def send_error(
+    sink: ClientSink, exc: GatewayError, extra_headers: Mapping[str, str] | None = None
+) -> None:
+    """`exc` as the whole answer, in OpenAI's error format."""
+    await sink.respond(exc.status, error_headers(exc, extra_headers), error_answer(exc))

@@ -125,6 +125,23 @@ def runtime_state(runtime: PoolRuntime, now: float | None = None) -> dict[str, A
     return out
 
 
+def set_draining(gw: Gateway, address: str, draining: bool) -> dict[str, Any]:
+    """Drain (or undrain) `address` in every pool that has it; raises `NotFound`."""
+    owners = [r for r in gw.runtimes if r.pool.set_draining(address, draining)]
+    if not owners:
+        raise NotFound(f"no endpoint {address!r} in any pool")
+    for runtime in owners:
+        runtime.admission.completed()
+    return {"address": address, "draining": draining}
+
+
+async def reload_config(reloader: Reloader) -> tuple[int, dict[str, Any]]:
+    """Reload the gateway's config file: the status and body of the answer."""
+    result = await reloader.reload()
+    body = {"ok": result.ok, "error": result.error, "pools": list(result.pools)}
+    return result.status, body
+
+
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
@@ -149,16 +166,9 @@ def add_admin_routes(
     def _set_draining(draining: bool) -> Handler:
         async def handler(request: web.Request) -> web.Response:
             try:
-                gw = _gw(request)
-                address = request.match_info["address"]
-                owners = [r for r in gw.runtimes if r.pool.set_draining(address, draining)]
-                if not owners:
-                    raise NotFound(f"no endpoint {address!r} in any pool")
+                return _json(set_draining(_gw(request), request.match_info["address"], draining))
             except GatewayError as exc:
                 return render(exc)
-            for runtime in owners:
-                runtime.admission.completed()
-            return _json({"address": address, "draining": draining})
 
         return handler
 
@@ -173,9 +183,8 @@ def add_admin_routes(
             _gw(request)
         except GatewayError as exc:
             return render(exc)
-        result = await request.app[reloader_key].reload()
-        body = {"ok": result.ok, "error": result.error, "pools": list(result.pools)}
-        return _json(body, result.status)
+        status, body = await reload_config(request.app[reloader_key])
+        return _json(body, status)
 
     app.router.add_get("/admin/pool", get_pool)
     app.router.add_get("/admin/pools", get_pools)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import os
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,7 +21,7 @@ import orjson
 from aiohttp import web
 
 from servegate.config import GatewaySettings, ServegateConfig
-from servegate.control.director import DISAGG_KINDS, Director, Parser
+from servegate.control.director import Director, Parser
 from servegate.control.snapshot import RoutingSnapshot
 from servegate.datalayer.outlier import OutlierDetector
 from servegate.engines.registry import EngineRegistry
@@ -51,18 +50,17 @@ from servegate.gateway.errors import (
     for_status,
     render,
 )
-from servegate.gateway.headers import (
-    subset_of,
-)
+from servegate.gateway.inference import serve_inference
 from servegate.gateway.lifecycle import RUNNING, start_gateway
 from servegate.gateway.metrics import GatewayMetrics
 from servegate.gateway.model_routing import RoutingTable
 from servegate.gateway.openapi import PASSTHROUGH, serve_openapi
 from servegate.gateway.parse import parse_request
 from servegate.gateway.pools import PoolRuntime, RuntimeCollector, build_runtimes
-from servegate.gateway.proxy import Proxy, forward_headers
+from servegate.gateway.proxy import Proxy
 from servegate.gateway.reload import RELOADER, ConfigReloader, ConfigSource, FixedConfig, Reloader
 from servegate.gateway.retry import RetryBudget
+from servegate.gateway.sink import AiohttpSink
 from servegate.gateway.tenants import Tenant, TenantTable
 from servegate.gateway.transport import UpstreamTransport
 from servegate.gateway.ui import DecisionLog, add_ui_routes
@@ -214,13 +212,6 @@ def build_gateway(
 # -- request path -----------------------------------------------------------------
 
 
-def _request_id(request: web.Request) -> str:
-    rid = request.headers.get("X-Request-ID")
-    if rid and len(rid) <= 128 and rid.isprintable():
-        return rid
-    return os.urandom(16).hex()
-
-
 def _authorise(gw: Gateway, request: web.Request) -> Tenant | None:
     return gw.tenants.authenticate(request.headers.get("Authorization", ""))
 
@@ -246,52 +237,20 @@ async def _read_body(settings: GatewaySettings, request: web.Request) -> bytes:
 async def _inference(
     request: web.Request, kind: RequestKind, parse: Parser = parse_request
 ) -> web.StreamResponse:
-    """The HTTP adapter over the `Director`: read the body, route, forward, answer."""
+    """The HTTP adapter over the request path (`inference.py`): aiohttp's body, its sink."""
+    sink = AiohttpSink(request)
+
+    async def read_body(settings: GatewaySettings) -> bytes:
+        return await _read_body(settings, request)
+
     director = request.app[GATEWAY].director
-    started = time.monotonic()
-    headers = _lower_headers(request)
-    ctx = director.begin(_request_id(request), request.method, request.path, headers, started)
-    response: web.StreamResponse | None = None
-    try:
-        director.authorise(ctx)
-        body = await _read_body(ctx.snapshot.config.gateway, request)
-        runtime, decision = await director.route(ctx, body, kind, subset_of(headers), parse)
-        upstream_headers = forward_headers(
-            request.headers,
-            ctx.request_id,
-            strip_authorization=ctx.snapshot.tenants.enabled,
-            client=request.remote,
-        )
-        if ctx.upstream_headers:
-            upstream_headers.update(ctx.upstream_headers)
-        if kind in DISAGG_KINDS and runtime.disagg.handles(decision):
-            response = await runtime.disagg.forward(request, ctx, upstream_headers)
-        else:
-            response = await runtime.proxy.forward(request, ctx, upstream_headers)
-        director.complete(ctx)
-        return response
-    except GatewayError as exc:
-        director.fail(ctx, exc)
-        response = render(exc, {"X-Request-ID": ctx.request_id})
-        if isinstance(exc, RequestTimeout):
-            await _answer_and_close(request, response)
-        return response
-    except asyncio.CancelledError:
-        ctx.record.status = 499
-        ctx.record.error = "client disconnected"
-        raise
-    except Exception as exc:
-        if PREPARED.get():
-            ctx.record.error = describe(exc)
-            raise  # the answer has begun: only a cut connection can say it failed
-        log.exception("unexpected error on request %s", ctx.request_id)
-        error = InternalError(f"the gateway failed: {describe(exc)}")
-        director.fail(ctx, error)
-        ctx.record.error = describe(exc)
-        response = render(error, {"X-Request-ID": ctx.request_id})
-        return response
-    finally:
-        director.finish(ctx)
+    error = await serve_inference(
+        director, sink, kind, request.method, request.path, request.headers, read_body, parse
+    )
+    response = sink.answer()
+    if isinstance(error, RequestTimeout):
+        await _answer_and_close(request, response)
+    return response
 
 
 async def _answer_and_close(request: web.Request, response: web.StreamResponse) -> None:
@@ -301,10 +260,6 @@ async def _answer_and_close(request: web.Request, response: web.StreamResponse) 
     await response.prepare(request)
     await response.write_eof()
     request.protocol.force_close()
-
-
-def _lower_headers(request: web.Request) -> dict[str, str]:
-    return {k.lower(): v for k, v in request.headers.items()}
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -462,7 +417,7 @@ def _serving(source: ConfigSource | None) -> Callable[[web.Application], AsyncIt
     async def serving(app: web.Application) -> AsyncIterator[None]:
         gw = app[GATEWAY]
         running = app[RUNNING] = await start_gateway(gw, probe_port=gw.config.gateway.probe_port)
-        reloader: Reloader = FixedConfig(running)
+        reloader: Reloader = FixedConfig(gw)
         if source is not None:
             reloader = ConfigReloader(running, source)
         app[RELOADER] = reloader

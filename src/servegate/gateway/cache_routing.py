@@ -19,6 +19,7 @@ from servegate.config import ServegateConfig
 from servegate.datalayer.kvevents import KVEventsCollector, KVEventsManager
 from servegate.datalayer.kvevents.settings import kv_events_settings
 from servegate.gateway.routing_signals import IndexJanitor, RoutingSignals, SignalsCollector
+from servegate.gateway.triton_tokens import TritonTokenCounts
 from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
 from servegate.scheduling.affinity import ResponseHeaders
@@ -65,7 +66,11 @@ class CacheRouting:
 
 
 def build_cache_routing(
-    config: ServegateConfig, pool: Pool, scheduler: Scheduler, registry: CollectorRegistry
+    config: ServegateConfig,
+    pool: Pool,
+    scheduler: Scheduler,
+    registry: CollectorRegistry,
+    triton_tokens: TritonTokenCounts | None = None,
 ) -> CacheRouting:
     pool_cfg = config.pool
     per_model = {m.id: m.tokenizer for m in pool_cfg.models if m.tokenizer is not None}
@@ -87,7 +92,7 @@ def build_cache_routing(
     active = tokenizers if tokenizers.active else None
     signals = None
     if janitor.approx or janitor.precise:
-        signals = RoutingSignals(pool, scheduler, active, manager)
+        signals = RoutingSignals(pool, scheduler, active, manager, triton_tokens)
         registry.register(SignalsCollector(signals))
     return CacheRouting(
         tokenizers=active,

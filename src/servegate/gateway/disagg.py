@@ -30,10 +30,10 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
-from aiohttp import web
 
 from servegate.config import DisaggregationSettings, GatewaySettings
 from servegate.control.context import RequestContext
+from servegate.control.sink import ClientSink
 from servegate.control.upstream import sidecar_headers as sidecar_headers
 from servegate.datalayer.scraper import TOO_LARGE, FetchError
 from servegate.gateway.access_log import AccessRecord
@@ -158,14 +158,15 @@ class Disaggregator:
         )
 
     async def forward(
-        self, http_request: web.Request, ctx: RequestContext, headers: Mapping[str, str]
-    ) -> web.StreamResponse:
+        self, sink: ClientSink, ctx: RequestContext, headers: Mapping[str, str]
+    ) -> None:
         """Carry out `ctx.decision` (the Director counted its P/D decision): the sidecar's
-        headers or the gateway-run prefill leg, then the decode leg through the proxy."""
+        headers or the gateway-run prefill leg, then the decode leg through the proxy to
+        `sink`."""
         decision, llm, record = ctx.decision, ctx.llm, ctx.record
         if decision is None or llm is None:
             raise InternalError("a request was forwarded before it was scheduled")
-        path = http_request.path
+        path = record.path
         prefill = decision.prefill
         if prefill is not None and TRITON_ENGINE in (
             prefill.endpoint.engine,
@@ -193,7 +194,7 @@ class Disaggregator:
             route = data_parallel_route(decision.primary_port)
         elif decision.rank_header:
             route = rank_header_route
-        return await self._proxy.forward(http_request, ctx, headers, route)
+        await self._proxy.forward(sink, ctx, headers, route)
 
     async def _prefill(
         self,

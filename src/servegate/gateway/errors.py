@@ -2,7 +2,9 @@
 
 The error classes are data-plane neutral so that the ext_proc picker maps the same ones;
 they are re-exported here because the HTTP side names them from this module. `render` is
-the one place that writes an error as an aiohttp response.
+an error as an aiohttp response, for the routes that answer without a `ClientSink`
+(`/v1/models`, admin, aiohttp's own 404 and 405); it writes the same headers and body as
+`control/sink.py`'s `send_error`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 from servegate.control.errors import (
     DESCRIBE_CHARS,
@@ -34,7 +37,9 @@ from servegate.control.errors import (
     UpstreamTimeout,
     clip,
     describe,
+    error_answer,
     error_body,
+    error_headers,
     for_status,
     sse_error_event,
 )
@@ -70,13 +75,8 @@ __all__ = [
 
 
 def render(exc: GatewayError, extra_headers: Mapping[str, str] | None = None) -> web.Response:
-    headers = dict(exc.headers)
-    headers.update(exc.extra_headers)
-    if extra_headers:
-        headers.update(extra_headers)
     return web.Response(
         status=exc.status,
-        body=error_body(exc.message, exc.type, exc.code, exc.param),
-        content_type="application/json",
-        headers=headers,
+        body=error_answer(exc),
+        headers=CIMultiDict(error_headers(exc, extra_headers)),
     )

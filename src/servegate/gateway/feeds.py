@@ -1,4 +1,5 @@
-"""What keeps each pool's state fresh while the gateway runs: its data layer and discovery.
+"""What keeps each pool's state fresh while the gateway runs: its data layer and discovery
+(and the session Triton models' tokenizers are learned over).
 
 A pool's feed exists only while the gateway runs, so it is not part of the pool's
 state (built with the gateway, before any session is open): `PoolFeeds` builds
@@ -69,11 +70,14 @@ class PoolFeeds:
             await datalayer.stop()
             raise
         feed = self._feeds[state] = PoolFeed(datalayer, discovery)
+        state.triton_tokens.bind_session(self.control)
         return feed
 
     async def stop(self, state: PoolState) -> None:
         feed = self._feeds.pop(state, None)
         if feed is not None:
+            await state.triton_tokens.close()
+            state.triton_tokens.bind_session(None)
             await feed.stop()
 
     async def close(self) -> None:

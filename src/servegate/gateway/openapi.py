@@ -400,3 +400,8 @@ _DOCUMENT = orjson.dumps(openapi_document())
 
 async def serve_openapi(request: web.Request) -> web.Response:
     return web.Response(body=_DOCUMENT, content_type="application/json")
+
+
+def openapi_json() -> bytes:
+    """The document as served, for data planes other than aiohttp's."""
+    return _DOCUMENT

@@ -1,11 +1,12 @@
 """One pool's runtime: its live state, its scheduler, its flow control, its proxy.
 
-The live part (`PoolState`: the Pool, passive health, and what routing learned: the
-latency predictor, prefix indexes, session bindings) outlives a reload that leaves the
-pool's own settings alone; the routing part (`PoolRuntime`: scheduler, admission,
-cache routing, proxy) is rebuilt when its picker or flow control change. A request
-keeps the runtime it started with. What keeps a pool fresh while the gateway runs (its
-data layer and discovery) is the running gateway's (`feeds.py`), built when it starts.
+The live part (`PoolState`: the Pool, passive health, and what was learned: the latency
+predictor, prefix indexes, session bindings, Triton models' tokenizers) outlives a
+reload that leaves the pool's own settings alone; the routing part (`PoolRuntime`:
+scheduler, admission, cache routing, proxy) is rebuilt when its picker or flow control
+change. A request keeps the runtime it started with. What keeps a pool fresh while the
+gateway runs (its data layer and discovery) is the running gateway's (`feeds.py`),
+built when it starts.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from servegate.gateway.proxy import Proxy
 from servegate.gateway.retry import RetryBudget
 from servegate.gateway.transport import UpstreamTransport
 from servegate.gateway.triton import TritonTranslator
+from servegate.gateway.triton_tokens import TritonTokenCounts
 from servegate.pool.pool import Pool
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
 from servegate.scheduling.factory import PluginContext
@@ -71,6 +73,8 @@ class PoolState:
     routing: RoutingState = field(default_factory=RoutingState)
     """The pool's prefix indexes and session bindings: learned state that survives picker
     reloads; the KV-event manager and scale-out feed it, plugins receive it as a service."""
+    triton_tokens: TritonTokenCounts = field(default_factory=TritonTokenCounts)
+    """Per model, the tokenizer learned from Triton's model configuration (`usage`)."""
 
     def same_as(self, settings: PoolSettings, outlier: OutlierDetectionSettings) -> bool:
         return self.settings == settings and self.outlier_settings == outlier
@@ -92,7 +96,10 @@ def build_pool_state(
     detector = OutlierDetector(
         pool, outlier, on_eject=lambda state, _s: metrics.ejections.labels(state.address).inc()
     )
-    state = PoolState(settings, outlier, pool, engines, detector)
+    state = PoolState(
+        settings, outlier, pool, engines, detector,
+        triton_tokens=TritonTokenCounts.from_pool(settings),
+    )  # fmt: skip
     predictor = state.latency
     pool.subscribe(lambda event, s: predictor.forget([s.address]) if event == "removed" else None)
     return state
@@ -217,7 +224,7 @@ def build_runtime(
         ),
     )
     try:
-        triton = TritonTranslator.from_pool(settings, config_dir)
+        triton = TritonTranslator.from_pool(settings, config_dir, state.triton_tokens)
     except (ChatTemplateError, TokenizerError) as exc:
         raise ConfigError(f"pool {entry.name!r}: {exc}") from exc
     registry = CollectorRegistry(auto_describe=True)
@@ -225,8 +232,9 @@ def build_runtime(
     flow = entry.flow_control or config.flow_control
     admission = build_admission(flow, state.pool, registry, picker_doc, scheduler.plugins)
     cache = build_cache_routing(
-        config.model_copy(update={"pool": settings}), state.pool, scheduler, registry
-    )
+        config.model_copy(update={"pool": settings}), state.pool, scheduler, registry,
+        state.triton_tokens,
+    )  # fmt: skip
     transport = transport or transport_for(config.gateway.upstream_client)
     proxy = Proxy(transport, config.gateway, metrics, state.outlier, budget, triton, state.engines)
     disagg = build_disaggregator(

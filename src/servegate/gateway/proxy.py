@@ -11,6 +11,10 @@ counted (`servegate_upstream_errors{kind="midstream"}`). Every attempt's result
 feeds passive health (`datalayer/outlier.py`).
 Foreign exceptions are translated to `errors.py` types here and nowhere else.
 
+The answer reaches the client through a `ClientSink` (`control/sink.py`): aiohttp's
+server (`sink.py`) and ASGI hosts (`integrations/asgi_gateway.py`) relay through this one
+proxy.
+
 An engine whose `EngineSpec` names a request adapter speaks no OpenAI: for it each
 attempt translates the request and the answer (Triton's `triton-generate`: `triton.py`,
 `triton_stream.py`); every other engine gets the original bytes.
@@ -26,11 +30,11 @@ from typing import Any, Protocol
 
 import aiohttp
 import orjson
-from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from servegate.config import GatewaySettings
 from servegate.control.context import RequestContext
+from servegate.control.sink import ClientSink, send_error
 from servegate.datalayer.outlier import OutlierDetector
 from servegate.engines.registry import EngineRegistry, UnknownEngineError
 from servegate.gateway.access_log import AccessRecord
@@ -44,7 +48,6 @@ from servegate.gateway.errors import (
     describe,
     error_body,
     for_status,
-    render,
     sse_error_event,
 )
 from servegate.gateway.headers import DESTINATION_HEADER, SERVED_HEADER
@@ -325,18 +328,19 @@ class Proxy:
 
     async def forward(
         self,
-        http_request: web.Request,
+        sink: ClientSink,
         ctx: RequestContext,
         headers: Mapping[str, str],
         route: Route | None = None,
-    ) -> web.StreamResponse:
+    ) -> None:
         """Send `ctx.body` with `headers` to the decision's targets in turn (its lease follows
-        the attempt), and relay the first answer that can be relayed."""
+        the attempt), and relay the first answer that can be relayed to `sink`. Raises the
+        last attempt's `GatewayError` when none could be, before `sink` has answered."""
         decision = ctx.decision
         lease = ctx.lease
         if decision is None or lease is None:
             raise InternalError("a request was forwarded before it was scheduled")
-        path = http_request.path
+        path = ctx.record.path
         body = ctx.body
         record = ctx.record
         started = ctx.started
@@ -353,7 +357,9 @@ class Proxy:
             triton: TritonRequest | None = None
             if self._adapts(state.endpoint.engine):
                 if translated is None:
-                    translated = self.triton.prepare(path, body, headers.get("X-Request-ID", ""))
+                    translated = self.triton.prepare(
+                        path, body, headers.get("X-Request-ID", ""), state.endpoint
+                    )
                 triton = translated
             record.retries = attempt
             record.endpoint = state.address
@@ -406,17 +412,15 @@ class Proxy:
                             self._metrics.retries.labels("before_content").inc()
                         continue
                 if triton is not None:
-                    response = await self._relay_triton(
-                        http_request, upstream, state, record, started,
-                        extra_response_headers, triton,
-                    )  # fmt: skip
+                    await self._relay_triton(
+                        sink, upstream, state, record, started, extra_response_headers, triton
+                    )
                 else:
-                    response = await self._relay(
-                        http_request, upstream, state, record, started,
-                        extra_response_headers, first,
-                    )  # fmt: skip
+                    await self._relay(
+                        sink, upstream, state, record, started, extra_response_headers, first
+                    )
                 complete = True
-                return response
+                return
             finally:
                 if complete:
                     upstream.release()
@@ -426,61 +430,60 @@ class Proxy:
 
     async def _relay(
         self,
-        http_request: web.Request,
+        sink: ClientSink,
         upstream: UpstreamResponse,
         state: EndpointState,
         record: AccessRecord,
         started: float,
         extra_headers: Mapping[str, str],
         first: bytes = b"",
-    ) -> web.StreamResponse:
+    ) -> None:
         headers = response_headers(upstream.headers)
         headers[DESTINATION_HEADER] = state.address
         headers[SERVED_HEADER] = state.address
         headers.update(extra_headers)
         record.status = upstream.status
         if upstream.content_type == "text/event-stream":
-            return await self._relay_stream(
-                http_request, upstream, state, record, started, headers, first
-            )
+            await self._relay_stream(sink, upstream, state, record, started, headers, first)
+            return
         data, complete = await self._read_some(upstream, state, self._settings.max_buffered_bytes)
         record.ttft_ms = (time.monotonic() - started) * 1000.0
         if not complete:
-            return await self._relay_large(http_request, upstream, state, record, headers, data)
+            await self._relay_large(sink, upstream, state, record, headers, data)
+            return
         if upstream.status == 404 and not _is_error_object(data):
-            data = _missing_route(http_request, state, headers)
+            data = _missing_route(record, state, headers)
             record.error = "the endpoint does not serve this route"
         elif upstream.status >= 400 and not _openai_like_error(upstream, data):
-            return _wrapped_error(upstream, state, record, headers, data)
+            await _wrapped_error(sink, upstream, state, record, headers, data)
+            return
         record.response_bytes = len(data)
         if USAGE_MARK in data:
             try:
                 self._note_usage(record, usage_from(orjson.loads(data)))
             except orjson.JSONDecodeError:
                 pass
-        return web.Response(status=upstream.status, body=data, headers=headers)
+        await sink.respond(upstream.status, headers.items(), data)
 
     async def _relay_stream(
         self,
-        http_request: web.Request,
+        sink: ClientSink,
         upstream: UpstreamResponse,
         state: EndpointState,
         record: AccessRecord,
         started: float,
         headers: CIMultiDict[str],
         first: bytes = b"",
-    ) -> web.StreamResponse:
+    ) -> None:
         record.stream = True
-        response = web.StreamResponse(status=upstream.status, headers=headers)
-        await response.prepare(http_request)
+        await sink.start(upstream.status, headers.items(), None)
         stream = _Passthrough()
-        last = await self._pump(upstream, state, record, started, response, stream, first)
+        last = await self._pump(upstream, state, record, started, sink, stream, first)
         if last is None:
-            return response
+            return
         if USAGE_MARK in stream.tail:
             self._note_usage(record, usage_from_sse_tail(stream.tail))
-        await _end(response, record, last)
-        return response
+        await _end(sink, record, last)
 
     async def _pump(
         self,
@@ -488,7 +491,7 @@ class Proxy:
         state: EndpointState,
         record: AccessRecord,
         started: float,
-        response: web.StreamResponse,
+        sink: ClientSink,
         stream: _Reframer,
         first: bytes = b"",
     ) -> bytes | None:
@@ -503,7 +506,7 @@ class Proxy:
                 record.relayed(time.monotonic())
                 if content.at_eof():
                     return out + stream.finish()
-                await response.write(out)
+                await sink.write(out)
             async for data in content.iter_any():
                 out = stream.feed(data)
                 if out:
@@ -515,7 +518,7 @@ class Proxy:
                         record.response_bytes += len(last)
                         return last
                     record.response_bytes += len(out)
-                    await response.write(out)
+                    await sink.write(out)
                 if stream.ended:
                     break
             last = stream.finish()
@@ -587,36 +590,30 @@ class Proxy:
 
     async def _relay_large(
         self,
-        http_request: web.Request,
+        sink: ClientSink,
         upstream: UpstreamResponse,
         state: EndpointState,
         record: AccessRecord,
         headers: CIMultiDict[str],
         head: bytes,
-    ) -> web.StreamResponse:
+    ) -> None:
         """A body over `max_buffered_bytes`: what was read, then the rest as it comes, so the
         gateway never holds more than one chunk of it (its usage is not read)."""
-        length = upstream.content_length
-        response = web.StreamResponse(status=upstream.status, headers=headers)
-        if length is not None:
-            response.content_length = length
-        await response.prepare(http_request)
+        await sink.start(upstream.status, headers.items(), upstream.content_length)
         try:
-            await response.write(head)
+            await sink.write(head)
             async for data in upstream.content.iter_any():
-                await response.write(data)
+                await sink.write(data)
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as exc:
             # Headers are gone: the only honest signal left is a cut connection.
             self._midstream(state, record, exc)
-            if http_request.transport is not None:
-                http_request.transport.abort()
-            return response
+            sink.abort()
+            return
         except ConnectionResetError:
             upstream.close()
             _client_left(record)
-            return response
-        await _end(response, record, b"")
-        return response
+            return
+        await _end(sink, record, b"")
 
     async def _read(self, upstream: UpstreamResponse, state: EndpointState) -> bytes:
         limit = self._settings.max_buffered_bytes
@@ -631,14 +628,14 @@ class Proxy:
 
     async def _relay_triton(
         self,
-        http_request: web.Request,
+        sink: ClientSink,
         upstream: UpstreamResponse,
         state: EndpointState,
         record: AccessRecord,
         started: float,
         extra_headers: Mapping[str, str],
         request: TritonRequest,
-    ) -> web.StreamResponse:
+    ) -> None:
         headers: CIMultiDict[str] = CIMultiDict()
         headers[DESTINATION_HEADER] = state.address
         headers[SERVED_HEADER] = state.address
@@ -648,16 +645,14 @@ class Proxy:
             error = triton_error(upstream.status, await self._read(upstream, state), endpoint)
             record.status = error.status
             record.error = error.message
-            return web.Response(
-                status=error.status,
-                body=render_error(error),
-                content_type="application/json",
-                headers=headers,
-            )
+            headers["Content-Type"] = "application/json"
+            await sink.respond(error.status, headers.items(), render_error(error))
+            return
         if upstream.content_type == "text/event-stream":
-            return await self._relay_triton_stream(
-                http_request, upstream, state, record, started, headers, request
+            await self._relay_triton_stream(
+                sink, upstream, state, record, started, headers, request
             )
+            return
         data = await self._read(upstream, state)
         record.ttft_ms = (time.monotonic() - started) * 1000.0
         try:
@@ -669,37 +664,36 @@ class Proxy:
         record.prompt_tokens = usage.prompt_tokens
         record.completion_tokens = usage.completion_tokens
         record.response_bytes = len(body)
-        return web.Response(body=body, content_type="application/json", headers=headers)
+        headers["Content-Type"] = "application/json"
+        await sink.respond(200, headers.items(), body)
 
     async def _relay_triton_stream(
         self,
-        http_request: web.Request,
+        sink: ClientSink,
         upstream: UpstreamResponse,
         state: EndpointState,
         record: AccessRecord,
         started: float,
         headers: CIMultiDict[str],
         request: TritonRequest,
-    ) -> web.StreamResponse:
+    ) -> None:
         record.stream = True
         record.status = 200
         headers["Content-Type"] = "text/event-stream"
         headers["Cache-Control"] = "no-cache"
-        response = web.StreamResponse(status=200, headers=headers)
-        await response.prepare(http_request)
+        await sink.start(200, headers.items(), None)
         endpoint = state.endpoint
         stream = TritonStream(request, request.max_tokens_for(endpoint), accumulates(endpoint))
-        last = await self._pump(upstream, state, record, started, response, stream)
+        last = await self._pump(upstream, state, record, started, sink, stream)
         if last is None:
-            return response
+            return
         if stream.error is not None:
             self._failed(state, "midstream")
             record.error = f"midstream: {stream.error}"
         if stream.usage is not None:
             record.prompt_tokens = stream.usage.prompt_tokens
             record.completion_tokens = stream.usage.completion_tokens
-        await _end(response, record, last)
-        return response
+        await _end(sink, record, last)
 
     def _midstream(self, state: EndpointState, record: AccessRecord, exc: BaseException) -> None:
         self._failed(state, "midstream")
@@ -747,9 +741,9 @@ class _Passthrough:
         return sse_error_event(exc)
 
 
-async def _end(response: web.StreamResponse, record: AccessRecord, last: bytes) -> None:
+async def _end(sink: ClientSink, record: AccessRecord, last: bytes) -> None:
     try:
-        await response.write_eof(last)
+        await sink.end(last)
     except ConnectionResetError:
         if last:
             _client_left(record)
@@ -778,13 +772,14 @@ def _openai_like_error(upstream: UpstreamResponse, data: bytes) -> bool:
         return False
 
 
-def _wrapped_error(
+async def _wrapped_error(
+    sink: ClientSink,
     upstream: UpstreamResponse,
     state: EndpointState,
     record: AccessRecord,
     headers: CIMultiDict[str],
     data: bytes,
-) -> web.Response:
+) -> None:
     """A replica's error that is not JSON (a `text/plain` 500, an HTML page from a proxy in
     front of it) as an OpenAI error body with the same status."""
     text = " ".join(data.decode("utf-8", errors="replace").split())
@@ -795,7 +790,7 @@ def _wrapped_error(
     record.error = message
     for name in ("Content-Type", "Content-Encoding", "Content-Length"):
         headers.popall(name, None)
-    return render(error, headers)
+    await send_error(sink, error, headers)
 
 
 def _identity_encoding(headers: Mapping[str, str]) -> dict[str, str]:
@@ -815,13 +810,9 @@ def _is_error_object(data: bytes) -> bool:
     return isinstance(obj.get("error"), dict) or obj.get("object") == "error"
 
 
-def _missing_route(
-    http_request: web.Request, state: EndpointState, headers: CIMultiDict[str]
-) -> bytes:
+def _missing_route(record: AccessRecord, state: EndpointState, headers: CIMultiDict[str]) -> bytes:
     """An OpenAI 404 in place of the replica's own: the route exists at the gateway, not there."""
-    error = NotFound(
-        f"endpoint {state.address} does not serve {http_request.method} {http_request.path}"
-    )
+    error = NotFound(f"endpoint {state.address} does not serve {record.method} {record.path}")
     headers.popall("Content-Encoding", None)
     headers["Content-Type"] = "application/json"
     return error_body(error.message, error.type, error.code, error.param)

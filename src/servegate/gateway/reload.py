@@ -34,6 +34,7 @@ from servegate.gateway.pools import PoolRuntime, build_runtimes
 from servegate.gateway.tenants import TenantTable
 
 if TYPE_CHECKING:
+    from servegate.gateway.app import Gateway
     from servegate.gateway.lifecycle import RunningGateway
 
 log = logging.getLogger("servegate.reload")
@@ -97,13 +98,14 @@ NOT_FROM_A_FILE = "this gateway was not started from a file"
 
 
 class FixedConfig:
-    """The reloader of a gateway started without a config file: nothing to re-read."""
+    """The reloader of a gateway started without a config file (or embedded, its config
+    given by the host's code): nothing to re-read."""
 
-    def __init__(self, running: RunningGateway) -> None:
-        self.running = running
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
 
     async def reload(self) -> ReloadResult:
-        pools = tuple(r.name for r in self.running.gateway.runtimes)
+        pools = tuple(r.name for r in self.gw.runtimes)
         return ReloadResult(False, NOT_FROM_A_FILE, pools, status=409)
 
     def signal(self) -> None:

@@ -2,7 +2,9 @@
 
 `signals()` answers, per pool, what the prefix scorers can see: where each model's
 routing token ids come from, which replicas' KV events arrive, and whether each
-replica's block size is known (from its events or `cache_config_info`) or assumed.
+replica's block size is known (from its events or `cache_config_info`) or assumed;
+and, for models served by Triton, where `usage`'s token counts come from
+(`triton_token_count`: a tokenizer folder, or the characters / 4 estimate).
 It is in `/admin/pool` (`routing_signals`), in the `servegate_routing_signal`
 gauge, in one line at startup, and a scorer of the profile that cannot contribute
 gets one warning line (checked again while the gateway runs, said once).
@@ -35,6 +37,7 @@ from servegate.scheduling.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from servegate.datalayer.kvevents import KVEventsManager
+    from servegate.gateway.triton_tokens import TritonTokenCounts
     from servegate.tokenization.routing import RoutingTokenizers
 
 log = logging.getLogger(__name__)
@@ -115,11 +118,13 @@ class RoutingSignals:
         scheduler: Scheduler,
         tokenizers: RoutingTokenizers | None,
         kv_events: KVEventsManager | None,
+        triton_tokens: TritonTokenCounts | None = None,
     ) -> None:
         self.pool = pool
         self.scheduler = scheduler
         self.tokenizers = tokenizers
         self.kv_events = kv_events
+        self.triton_tokens = triton_tokens
         self.weights = _weights(scheduler)
         self._warned: set[str] = set()
         self._task: asyncio.Task[None] | None = None
@@ -155,12 +160,16 @@ class RoutingSignals:
                 "block_size": size if size is not None else assumed,
                 "block_size_origin": origin,
             }
-        return {
+        out = {
             "scorers": {name: w for name, w in self.weights.items() if _is_prefix(name, self)},
             "tokenizer": tokenizer,
             "endpoints": endpoints,
             "problems": self.problems(tokenizer, endpoints),
         }
+        triton = {} if self.triton_tokens is None else self.triton_tokens.status()
+        if triton:
+            out["triton_token_count"] = triton
+        return out
 
     def problems(
         self, tokenizer: Mapping[str, Mapping[str, Any]], endpoints: Mapping[str, Any]
@@ -261,14 +270,19 @@ class SignalsCollector(Collector):
         s = self._signals.signals()
         family = GaugeMetricFamily(
             "servegate_routing_signal",
-            "Routing signals of the pool: tokenizer (per model and source), kv_events and "
-            "block_size (per endpoint); 1 = live, 0 = missing or assumed",
+            "Routing signals of the pool: tokenizer and triton_token_count (per model and "
+            "source), kv_events and block_size (per endpoint); 1 = live, 0 = missing or "
+            "assumed (triton_token_count: 1 = a tokenizer counts usage, 0 = characters / 4)",
             labels=["signal", "model", "endpoint", "source"],
         )
         for model, tok in s["tokenizer"].items():
             source = str(tok.get("source"))
             live = 0.0 if source in ("chars", "pending") else 1.0
             family.add_metric(["tokenizer", model, "", source], live)
+        for model, count in s.get("triton_token_count", {}).items():
+            source = str(count.get("source"))
+            live = 1.0 if source == "tokenizer" else 0.0
+            family.add_metric(["triton_token_count", model, "", source], live)
         for address, ep in s["endpoints"].items():
             kv = ep["kv_events"]
             family.add_metric(

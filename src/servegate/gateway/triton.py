@@ -13,9 +13,10 @@ proxy calls these pure functions once per attempt on a Triton target:
 - `completion_response`, `triton_error` and `triton_stream.TritonStream`: Triton's
   answer → OpenAI's, with `usage`.
 
-Triton returns no token counts. `usage` counts with the model's tokenizer when the
-pool configures a local one (`hf` or `simulator`; `engine` uses its fallback)
-and otherwise estimates one token per four characters of text;
+Triton returns no token counts. `usage` counts with the model's tokenizer: the
+one the pool configures (`hf` or `simulator`; `engine` uses its fallback), else
+the one learned from Triton's model configuration (`triton_tokens.py`), else,
+until or unless that is learned, one token per four characters of text;
 `usage.token_count_source` says which (`tokenizer` or `estimate`). Triton gives
 no finish reason either: `length` when the completion used its `max_tokens`,
 else `stop`.
@@ -23,7 +24,6 @@ else `stop`.
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from collections.abc import Mapping
@@ -44,9 +44,10 @@ from servegate.gateway.errors import (
     error_body,
 )
 from servegate.gateway.parse import decode_body
+from servegate.gateway.triton_tokens import ESTIMATE, TokenCounter, TritonTokenCounts
 from servegate.pool.endpoint import Endpoint
 from servegate.tokenization.settings import TokenizerSettings
-from servegate.tokenization.sources import LocalTokenizer, TokenizerError, local_tokenizer
+from servegate.tokenization.sources import TokenizerError, local_tokenizer
 
 TRITON_ENGINE = "triton-tensorrt-llm"
 TRITON_ADAPTER = "triton-generate"
@@ -62,7 +63,6 @@ MAX_TOKENS_LABEL = "servegate.io/triton-max-tokens"
 DEFAULT_CHAT_MAX_TOKENS = 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's documented default for `/v1/completions`."""
-CHARS_PER_TOKEN = 4
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
@@ -87,19 +87,6 @@ class UpstreamUnavailable(GatewayError):
     status = 503
     type = "service_unavailable_error"
     code = "upstream_unavailable"
-
-
-class TokenCounter:
-    """Counts tokens with a local tokenizer when one is configured, else estimates."""
-
-    def __init__(self, tokenizer: LocalTokenizer | None = None) -> None:
-        self._tokenizer = tokenizer
-        self.source = "tokenizer" if tokenizer is not None else "estimate"
-
-    def count(self, text: str, add_special_tokens: bool = False) -> int:
-        if self._tokenizer is None:
-            return math.ceil(len(text) / CHARS_PER_TOKEN)
-        return len(self._tokenizer.completion_ids(text, add_special_tokens))
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,12 +225,20 @@ class TritonTranslator:
         self,
         models: Mapping[str, TritonModel] | None = None,
         default: TritonModel | None = None,
+        learned: TritonTokenCounts | None = None,
     ) -> None:
         self._models = dict(models or {})
-        self._default = default or TritonModel(load_chat_template(), TokenCounter())
+        self._default = default or TritonModel(load_chat_template(), ESTIMATE)
+        self.learned = learned
+        """Tokenizers learned from Triton's model configuration, for models without one."""
 
     @classmethod
-    def from_pool(cls, pool: PoolSettings, config_dir: Path | None = None) -> TritonTranslator:
+    def from_pool(
+        cls,
+        pool: PoolSettings,
+        config_dir: Path | None = None,
+        learned: TritonTokenCounts | None = None,
+    ) -> TritonTranslator:
         """Raises `ChatTemplateError` or `TokenizerError` for a bad template or tokenizer."""
         default_tok = _counter(pool.tokenizer)
         default_path = pool.tokenizer.path if pool.tokenizer is not None else None
@@ -256,12 +251,23 @@ class TritonTranslator:
                 _counter(decl.tokenizer) if decl.tokenizer is not None else default_tok,
             )
         default = TritonModel(load_chat_template(None, default_path, config_dir), default_tok)
-        return cls(models, default)
+        return cls(models, default, learned)
 
     def model(self, name: str) -> TritonModel:
         return self._models.get(name, self._default)
 
-    def prepare(self, path: str, raw: bytes, request_id: str) -> TritonRequest:
+    def counter(self, model: str, endpoint: Endpoint | None) -> TokenCounter:
+        """The configured counter, else the learned one, else the estimate (never waits)."""
+        counter = self.model(model).counter
+        if counter.source == "tokenizer" or self.learned is None or endpoint is None:
+            return counter
+        name = endpoint.labels.get(MODEL_LABEL) or model
+        return self.learned.counter(model, endpoint.url, name) or counter
+
+    def prepare(
+        self, path: str, raw: bytes, request_id: str, endpoint: Endpoint | None = None
+    ) -> TritonRequest:
+        """`endpoint`: the first Triton endpoint tried, asked for the model's tokenizer."""
         body = decode_body(raw)
         chat = path == CHAT_PATH
         if not chat and path != COMPLETIONS_PATH:
@@ -296,9 +302,9 @@ class TritonTranslator:
         include_usage = (
             stream and isinstance(options, dict) and options.get("include_usage") is True
         )
-        counter = translation.counter
+        counter = self.counter(model, endpoint)
         try:
-            prompt_tokens = counter.count(prompt, add_special_tokens=not chat)
+            prompt_tokens = counter.count_prompt(prompt, chat)
         except (TokenizerError, ValueError, TypeError) as exc:
             raise BadRequest(f"the prompt cannot be tokenised: {exc}") from exc
         return TritonRequest(
@@ -318,9 +324,8 @@ class TritonTranslator:
 
 def _counter(settings: TokenizerSettings | None) -> TokenCounter:
     if settings is None:
-        return TokenCounter()
-    source = settings.fallback if settings.source == "engine" else settings.source
-    return TokenCounter(local_tokenizer(source, settings.path))
+        return ESTIMATE
+    return TokenCounter(local_tokenizer(settings.local_source, settings.path))
 
 
 def completion_response(

@@ -60,6 +60,7 @@ def build_app(
         r.add_get("/v2", triton_server_metadata)
         r.add_get("/v2/models/{model}", triton_model_metadata)
         r.add_get("/v2/models/{model}/ready", triton_model_ready)
+        r.add_get("/v2/models/{model}/config", triton_api.model_config)
         r.add_post("/v2/models/{model}/generate", triton_api.generate)
         r.add_post("/v2/models/{model}/generate_stream", triton_api.generate_stream)
     if not persona.metrics_on_own_port:
@@ -317,7 +318,9 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
 
 
 async def triton_server_metadata(request: web.Request) -> web.Response:
-    return web.json_response({"name": "triton", "version": "2.59.0", "extensions": ["generate"]})
+    return web.json_response(
+        {"name": "triton", "version": "2.59.0", "extensions": ["generate", "model_configuration"]}
+    )
 
 
 async def triton_model_metadata(request: web.Request) -> web.Response:

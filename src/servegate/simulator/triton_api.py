@@ -8,6 +8,13 @@
 `/generate_stream` answers `data: {json}\n\n` events with the new text only, no
 `[DONE]`; a failure after the 200 status arrives as `data: {"error": "..."}`.
 Errors are `{"error": "message"}` with status 400.
+
+`GET /v2/models/{model}/config` (the model configuration extension) describes the
+served model as TensorRT-LLM's standard repository does: an ensemble of
+`preprocessing`, `tensorrt_llm` and `postprocessing`, whose pre/postprocessing
+models carry `tokenizer_dir` (the simulator's HuggingFace folder, when it has one;
+the built-in tokenizer has none) and `add_special_tokens: "false"` (the simulator
+tokenises `text_input` without special tokens).
 """
 
 from __future__ import annotations
@@ -60,6 +67,41 @@ def _stop_words(fields: Mapping[str, Any]) -> tuple[str, ...]:
     if isinstance(raw, list) and all(isinstance(s, str) for s in raw):
         return tuple(s for s in raw if s)
     raise BadRequest("'stop_words' must be a string or a list of strings")
+
+
+STEPS = ("preprocessing", "tensorrt_llm", "postprocessing")
+
+
+def _model_config(state: SimState, model: str) -> dict[str, Any] | None:
+    if model == state.cfg.model:
+        return {
+            "name": model,
+            "platform": "ensemble",
+            "max_batch_size": state.cfg.max_num_seqs,
+            "input": [{"name": "text_input", "data_type": "TYPE_STRING", "dims": ["1"]}],
+            "output": [{"name": "text_output", "data_type": "TYPE_STRING", "dims": ["-1"]}],
+            "ensemble_scheduling": {
+                "step": [{"model_name": name, "model_version": "-1"} for name in STEPS]
+            },
+            "parameters": {},
+        }
+    if model == "tensorrt_llm":
+        return {"name": model, "backend": "tensorrtllm", "parameters": {}}
+    if model in STEPS:
+        params = {"add_special_tokens": {"string_value": "false"}}
+        if state.cfg.tokenizer.path is not None:
+            params["tokenizer_dir"] = {"string_value": state.cfg.tokenizer.path}
+        return {"name": model, "backend": "python", "parameters": params}
+    return None
+
+
+async def model_config(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    model = request.match_info["model"]
+    config = _model_config(state, model)
+    if config is None:
+        return error_response(state, 400, f"Request for unknown model: '{model}' is not found")
+    return web.Response(body=orjson.dumps(config), content_type=JSON)
 
 
 def _payload(state: SimState, model: str, text: str) -> bytes:

@@ -29,6 +29,12 @@ class TokenizerSettings(BaseModel):
     timeout_s: float = Field(2.0, gt=0)
     """For `engine`: the longest a `/tokenize` call may take."""
 
+    @property
+    def local_source(self) -> str:
+        """The source that answers without asking a replica: `source`, or for `engine` its
+        `fallback` (`hf` and `simulator` are local tokenizers; the others give none)."""
+        return self.fallback if self.source == "engine" else self.source
+
     @model_validator(mode="after")
     def _needs_path(self) -> TokenizerSettings:
         if (self.source == "hf" or self.fallback == "hf") and not self.path:

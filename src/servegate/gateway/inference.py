@@ -1,0 +1,105 @@
+"""One inference request on a data plane that carries bodies, from arrival to accounting.
+
+aiohttp's handlers (`app.py`) and the ASGI adapter (`integrations/asgi_gateway.py`) differ
+only in how they read the body and where the answer goes (their `ClientSink`); the rest
+is here, once: the `Director` routes, the proxy (or the P/D forwarder) relays, and the
+Director accounts for the request however it ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+
+from multidict import MultiMapping
+
+from servegate.config import GatewaySettings
+from servegate.control.director import DISAGG_KINDS, Director, Parser
+from servegate.control.errors import GatewayError, InternalError, describe
+from servegate.control.sink import ClientSink, send_error
+from servegate.gateway.headers import subset_of
+from servegate.gateway.parse import parse_request
+from servegate.gateway.proxy import forward_headers
+from servegate.scheduling.request import RequestKind
+
+log = logging.getLogger("servegate.gateway")
+
+BodyReader = Callable[[GatewaySettings], Awaitable[bytes]]
+"""Reads the request body under the settings' size and time limits; raises `BodyTooLarge`,
+`RequestTimeout` or `BadRequest`."""
+REQUEST_ID_CHARS = 128
+
+
+def request_id(headers: MultiMapping[str]) -> str:
+    """The client's `X-Request-ID` when it is short and printable, else a new one."""
+    rid = headers.get("X-Request-ID")
+    if rid and len(rid) <= REQUEST_ID_CHARS and rid.isprintable():
+        return rid
+    return os.urandom(16).hex()
+
+
+async def serve_inference(
+    director: Director,
+    sink: ClientSink,
+    kind: RequestKind,
+    method: str,
+    path: str,
+    headers: MultiMapping[str],
+    read_body: BodyReader,
+    parse: Parser = parse_request,
+) -> GatewayError | None:
+    """Route and relay one request, answering through `sink`; returns the error it answered
+    with, if any (the adapter may close the connection after some). A `CancelledError`
+    (the adapter's sign that the client left) and an unexpected failure after the answer
+    began propagate."""
+    started = time.monotonic()
+    lowered = {k.lower(): v for k, v in headers.items()}
+    ctx = director.begin(request_id(headers), method, path, lowered, started)
+    try:
+        director.authorise(ctx)
+        body = await read_body(ctx.snapshot.config.gateway)
+        runtime, decision = await director.route(ctx, body, kind, subset_of(lowered), parse)
+        upstream_headers = forward_headers(
+            headers,
+            ctx.request_id,
+            strip_authorization=ctx.snapshot.tenants.enabled,
+            client=sink.remote,
+        )
+        if ctx.upstream_headers:
+            upstream_headers.update(ctx.upstream_headers)
+        if kind in DISAGG_KINDS and runtime.disagg.handles(decision):
+            await runtime.disagg.forward(sink, ctx, upstream_headers)
+        else:
+            await runtime.proxy.forward(sink, ctx, upstream_headers)
+        director.complete(ctx)
+        return None
+    except GatewayError as exc:
+        director.fail(ctx, exc)
+        if sink.started:
+            sink.abort()
+        else:
+            await send_error(sink, exc, {"X-Request-ID": ctx.request_id})
+        return exc
+    except ConnectionResetError:
+        # The client left before the answer began (an ASGI host's `http.disconnect`
+        # while the body arrived): nobody to answer; `finish` accounts a 499.
+        return None
+    except asyncio.CancelledError:
+        ctx.record.status = 499
+        ctx.record.error = "client disconnected"
+        raise
+    except Exception as exc:
+        if sink.started:
+            ctx.record.error = describe(exc)
+            raise  # the answer has begun: only a cut connection can say it failed
+        log.exception("unexpected error on request %s", ctx.request_id)
+        error = InternalError(f"the gateway failed: {describe(exc)}")
+        director.fail(ctx, error)
+        ctx.record.error = describe(exc)
+        await send_error(sink, error, {"X-Request-ID": ctx.request_id})
+        return error
+    finally:
+        director.finish(ctx)
