@@ -9,14 +9,23 @@ plain Python values. The names are the Gateway API Inference Extension's
              metadata  envoy.lb → x-gateway-destination-endpoint (the same value)
     response metadata  envoy.lb → x-gateway-destination-endpoint-served: ip:port
 
-In FULL_DUPLEX_STREAMED mode the header answer waits until the body is
-complete; bodies go back as `streamed_response` chunks of at most
-`BODY_CHUNK_BYTES` (some Envoy builds cap a chunk at 64 KiB).
+Two request body modes, told apart by the `protocol_config` Envoy puts on a stream's
+first message (`Modes`). FULL_DUPLEX_STREAMED (and no `protocol_config`): the header
+answer waits until the body is complete; bodies go back as `streamed_response` chunks of
+at most `BODY_CHUNK_BYTES` (some Envoy builds cap a chunk at 64 KiB). BUFFERED: the
+headers are answered at once with `CONTINUE` and the whole body comes in one message,
+whose answer carries the destination (header mutation and metadata) and the body only
+when the picker rewrote it. A response body mode of NONE means the response headers are
+the last message Envoy sends.
+
+The answers that never change are serialised once (`CONTINUE_REQUEST_HEADERS`, …): the
+server's serialiser passes bytes through untouched.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
@@ -43,6 +52,8 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 BODY_CHUNK_BYTES = 62_000
 FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
+BUFFERED = ProcessingMode.BUFFERED
+NO_BODY = ProcessingMode.NONE
 OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 Message = Any
@@ -72,17 +83,38 @@ def headers_of(header_map: Message) -> dict[str, str]:
     return out
 
 
-def check_mode(request: Message) -> None:
-    """Refuse a stream whose proxy announces a request body mode other than full duplex."""
+@dataclass(frozen=True, slots=True)
+class Modes:
+    """How Envoy's filter is set up for this stream, as its `protocol_config` says."""
+
+    buffered_request: bool = False
+    """The whole request body in one message, answered with the destination."""
+    response_body: bool = True
+    """Response body chunks follow the response headers (FULL_DUPLEX_STREAMED)."""
+
+
+FULL_DUPLEX_MODES = Modes()
+"""What a proxy that sends no `protocol_config` gets: the mode llm-d's router requires."""
+_REQUEST_MODES = {FULL_DUPLEX: False, NO_BODY: False, BUFFERED: True}
+_RESPONSE_MODES = {FULL_DUPLEX: True, NO_BODY: False}
+
+
+def read_modes(request: Message) -> Modes:
+    """The stream's modes; a mode this picker does not speak refuses the stream."""
     if not request.HasField("protocol_config"):
-        return
-    mode = request.protocol_config.request_body_mode
-    if mode not in (FULL_DUPLEX, ProcessingMode.NONE):
-        name = ProcessingMode.BodySendMode.Name(mode)
+        return FULL_DUPLEX_MODES
+    config = request.protocol_config
+    buffered = _REQUEST_MODES.get(config.request_body_mode)
+    response_body = _RESPONSE_MODES.get(config.response_body_mode)
+    if buffered is None or response_body is None:
+        names = ProcessingMode.BodySendMode.Name
         raise ProtocolMismatch(
-            f"request_body_mode is {name}; servegate's endpoint picker needs "
-            "FULL_DUPLEX_STREAMED (see deploy/extproc/envoy.yaml)"
+            f"request_body_mode is {names(config.request_body_mode)} and response_body_mode "
+            f"{names(config.response_body_mode)}; servegate's endpoint picker needs "
+            "request_body_mode BUFFERED or FULL_DUPLEX_STREAMED and response_body_mode "
+            "NONE or FULL_DUPLEX_STREAMED (see deploy/extproc/envoy.yaml)"
         )
+    return Modes(buffered, response_body)
 
 
 def _metadata_value(request: Message, namespace: str, key: str) -> Message | None:
@@ -147,19 +179,38 @@ def destination_metadata(destinations: str) -> Message:
     return metadata
 
 
+def _routing(set_headers: Mapping[str, str], remove_headers: Iterable[str]) -> Message:
+    return CommonResponse(
+        clear_route_cache=True,
+        header_mutation=HeaderMutation(
+            set_headers=header_options(set_headers), remove_headers=list(remove_headers)
+        ),
+    )
+
+
 def request_headers_response(
     set_headers: Mapping[str, str], remove_headers: Iterable[str], destinations: str
 ) -> Message:
     """The answer to the request headers: where to send it, in a header and in metadata."""
     return ProcessingResponse(
-        request_headers=HeadersResponse(
-            response=CommonResponse(
-                clear_route_cache=True,
-                header_mutation=HeaderMutation(
-                    set_headers=header_options(set_headers), remove_headers=list(remove_headers)
-                ),
-            )
-        ),
+        request_headers=HeadersResponse(response=_routing(set_headers, remove_headers)),
+        dynamic_metadata=destination_metadata(destinations),
+    )
+
+
+def buffered_body_response(
+    set_headers: Mapping[str, str],
+    remove_headers: Iterable[str],
+    destinations: str,
+    body: bytes | None,
+) -> Message:
+    """BUFFERED mode's answer to the whole body: the destination as in
+    `request_headers_response`, and the body only when it changed (`None`: unchanged)."""
+    common = _routing(set_headers, remove_headers)
+    if body is not None:
+        common.body_mutation.body = body
+    return ProcessingResponse(
+        request_body=BodyResponse(response=common),
         dynamic_metadata=destination_metadata(destinations),
     )
 
@@ -201,12 +252,24 @@ def response_body_response(body: bytes, end_of_stream: bool) -> Message:
     return ProcessingResponse(response_body=BodyResponse(response=_streamed(body, end_of_stream)))
 
 
-def request_trailers_response() -> Message:
-    return ProcessingResponse(request_trailers=TrailersResponse())
+CONTINUE_REQUEST_HEADERS: bytes = ProcessingResponse(
+    request_headers=HeadersResponse()
+).SerializeToString()
+"""BUFFERED mode's answer to the request headers: go on and send the body."""
+REQUEST_TRAILERS_ANSWER: bytes = ProcessingResponse(
+    request_trailers=TrailersResponse()
+).SerializeToString()
+RESPONSE_TRAILERS_ANSWER: bytes = ProcessingResponse(
+    response_trailers=TrailersResponse()
+).SerializeToString()
 
 
-def response_trailers_response() -> Message:
-    return ProcessingResponse(response_trailers=TrailersResponse())
+def serialise(answer: Message | bytes) -> bytes:
+    """The server's response serialiser: the answers built once are bytes already."""
+    if isinstance(answer, bytes):
+        return answer
+    out: bytes = answer.SerializeToString()
+    return out
 
 
 def immediate_response(status: int, headers: Mapping[str, str], body: bytes) -> Message:
