@@ -101,14 +101,10 @@ async def serve(endpoints: int) -> None:
             waiting=float(rng.randint(0, 8)), kv_usage=rng.random(), scraped_at=now
         )
         gw.pool.set_metrics(state.address, metrics)
-    server = grpc.aio.server()
-    add_picker = getattr(extproc_server, "add_picker", None)
-    if add_picker is not None:
-        add_picker(gw, server)
-    else:  # a checkout from before `add_picker`
-        extproc_server.add_ExternalProcessorServicer_to_server(
-            extproc_server.PickerServicer(gw), server
-        )
+    server = grpc.aio.server(options=extproc_server.GRPC_OPTIONS)
+    extproc_server.add_ExternalProcessorServicer_to_server(
+        extproc_server.PickerServicer(gw), server
+    )
     bound = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(f"READY {bound}", flush=True)
@@ -117,9 +113,13 @@ async def serve(endpoints: int) -> None:
 
 async def serve_floor() -> None:
     """Both modes with no picker behind them: canned answers, the bodies echoed back."""
-    from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
+    from envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
+        ExternalProcessorServicer,
+        add_ExternalProcessorServicer_to_server,
+    )
 
     from servegate.extproc import protocol
+    from servegate.extproc.server import GRPC_OPTIONS
 
     destination = "10.0.0.1:8000"
     headers_answer = protocol.request_headers_response(
@@ -130,7 +130,7 @@ async def serve_floor() -> None:
     )
     response_headers_answer = protocol.response_headers_response({})
 
-    async def process(requests: Any, context: Any) -> Any:
+    async def process(self: Any, requests: Any, context: Any) -> Any:
         buffered = False
         body = b""
         async for request in requests:
@@ -153,15 +153,9 @@ async def serve_floor() -> None:
                 chunk = request.response_body
                 yield protocol.response_body_response(chunk.body, chunk.end_of_stream)
 
-    handler = grpc.stream_stream_rpc_method_handler(
-        process,
-        request_deserializer=ProcessingRequest.FromString,
-        response_serializer=protocol.serialise,
-    )
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(protocol.SERVICE_NAME, {"Process": handler}),)
-    )
+    floor = type("Floor", (ExternalProcessorServicer,), {"Process": process})
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    add_ExternalProcessorServicer_to_server(floor(), server)
     bound = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(f"READY {bound}", flush=True)

@@ -8,7 +8,6 @@ from typing import Any
 
 import orjson
 import pytest
-from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
 
 from servegate.config import parse_config
 from servegate.extproc import client as proxy
@@ -65,13 +64,9 @@ def headers(path: str = CHAT_PATH, method: str = "POST", **extra: str) -> list[t
 
 
 async def feed(stream: ExtProcStream, messages: list[Message]) -> list[Message]:
-    """The answers as the proxy reads them (those serialised once parsed back)."""
     out: list[Message] = []
     for message in messages:
-        out.extend(
-            ProcessingResponse.FromString(a) if isinstance(a, bytes) else a
-            for a in await stream.handle(message)
-        )
+        out.extend(await stream.handle(message))
         if stream.finished:
             break
     return out

@@ -23,7 +23,6 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     HttpHeaders,
     HttpTrailers,
     ProcessingRequest,
-    ProcessingResponse,
     ProtocolConfiguration,
 )
 from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
@@ -152,13 +151,12 @@ def _decode_routing(answer: RequestAnswer, response: Message, common: Message) -
 
 
 def decode_request_answer(
-    responses: Sequence[Message | bytes], sent_body: bytes | None = None
+    responses: Sequence[Message], sent_body: bytes | None = None
 ) -> RequestAnswer:
-    """The answers decoded (bytes are parsed as `ProcessingResponse`). `sent_body`: the body a
-    BUFFERED-mode proxy sent, which it keeps when the answer does not replace it."""
+    """The answers decoded. `sent_body`: the body a BUFFERED-mode proxy sent, which it keeps
+    when the answer does not replace it."""
     answer = RequestAnswer()
-    for raw in responses:
-        response = ProcessingResponse.FromString(raw) if isinstance(raw, bytes) else raw
+    for response in responses:
         kind = response.WhichOneof("response")
         answer.kinds.append(kind)
         if kind == "immediate_response":

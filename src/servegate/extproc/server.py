@@ -25,12 +25,15 @@ import aiohttp
 import grpc
 import orjson
 from aiohttp import web
-from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
+from envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
+    ExternalProcessorServicer,
+    add_ExternalProcessorServicer_to_server,
+)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 
 from servegate.config import ExtProcSettings, ServegateConfig
-from servegate.extproc.protocol import SERVICE_NAME, Message, ProtocolMismatch, serialise
+from servegate.extproc.protocol import SERVICE_NAME, Message, ProtocolMismatch
 from servegate.extproc.stream import ExtProcStream
 from servegate.gateway.app import Gateway, build_gateway, start_runtimes
 from servegate.gateway.cluster_policy import apply_cluster_policy
@@ -47,7 +50,7 @@ GRPC_OPTIONS = (
 )
 
 
-class PickerServicer:
+class PickerServicer(ExternalProcessorServicer):  # type: ignore[misc]
     """`Process`: one bidirectional stream per HTTP request, answered by an `ExtProcStream`."""
 
     def __init__(self, gw: Gateway) -> None:
@@ -55,7 +58,7 @@ class PickerServicer:
 
     async def Process(
         self, request_iterator: AsyncIterator[Message], context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[Message | bytes]:
+    ) -> AsyncIterator[Message]:
         stream = ExtProcStream(self.gw)
         try:
             async for request in request_iterator:
@@ -69,20 +72,6 @@ class PickerServicer:
                     return
         finally:
             stream.close()
-
-
-def add_picker(gw: Gateway, server: grpc.aio.Server) -> None:
-    """Serve `ExternalProcessor.Process` on `server`, as the generated
-    `add_ExternalProcessorServicer_to_server` does, but with `serialise` for the answers so
-    the ones built once go out as they are."""
-    process = grpc.stream_stream_rpc_method_handler(
-        PickerServicer(gw).Process,
-        request_deserializer=ProcessingRequest.FromString,
-        response_serializer=serialise,
-    )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Process": process}),)
-    )
 
 
 def _metrics_app(gw: Gateway) -> web.Application:
@@ -140,7 +129,7 @@ class ExtProcServer:
         apply_cluster_policy(gw)
 
         self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
-        add_picker(gw, self._grpc)
+        add_ExternalProcessorServicer_to_server(PickerServicer(gw), self._grpc)
         self.port = self._grpc.add_insecure_port(f"{settings.host}:{settings.port}")
         self._health = health_aio.HealthServicer()
         self._health_grpc = grpc.aio.server(options=GRPC_OPTIONS)

@@ -99,7 +99,6 @@ class ExtProcStream:
 
     `finished` turns true once an `ImmediateResponse` went out (the stream is
     over for the proxy); `close()` must run when the stream ends, however it ends.
-    Answers are protobuf messages, or bytes for those serialised once.
     """
 
     def __init__(self, gw: Gateway) -> None:
@@ -126,7 +125,7 @@ class ExtProcStream:
     def llm(self) -> LLMRequest | None:
         return self.ctx.llm if self.ctx is not None else None
 
-    async def handle(self, request: Message) -> list[Message | bytes]:
+    async def handle(self, request: Message) -> list[Message]:
         kind = kind_of(request)
         if kind == "request_headers":
             return self._on_request_headers(request)
@@ -145,7 +144,7 @@ class ExtProcStream:
 
     # -- request path --------------------------------------------------------------------
 
-    def _on_request_headers(self, request: Message) -> list[Message | bytes]:
+    def _on_request_headers(self, request: Message) -> list[Message]:
         self.modes = read_modes(request)
         message = request.request_headers
         all_headers = headers_of(message.headers)
@@ -161,7 +160,7 @@ class ExtProcStream:
             return [CONTINUE_REQUEST_HEADERS]
         return []
 
-    async def _on_request_body(self, request: Message) -> list[Message | bytes]:
+    async def _on_request_body(self, request: Message) -> list[Message]:
         if self.phase is not Phase.REQUEST:
             return []
         if self.ctx is None:
@@ -182,7 +181,7 @@ class ExtProcStream:
         self._body = bytearray()
         return await self._route(body, body_sent=True, end_of_stream=chunk.end_of_stream)
 
-    async def _on_request_trailers(self) -> list[Message | bytes]:
+    async def _on_request_trailers(self) -> list[Message]:
         if self.phase is not Phase.REQUEST:
             return [REQUEST_TRAILERS_ANSWER]
         body = bytes(self._body)
@@ -192,9 +191,7 @@ class ExtProcStream:
             out.append(REQUEST_TRAILERS_ANSWER)
         return out
 
-    async def _route(
-        self, body: bytes, body_sent: bool, end_of_stream: bool
-    ) -> list[Message | bytes]:
+    async def _route(self, body: bytes, body_sent: bool, end_of_stream: bool) -> list[Message]:
         ctx = self.ctx
         if ctx is None:
             raise ProtocolMismatch("the request ended before its headers arrived")
@@ -224,9 +221,7 @@ class ExtProcStream:
             routed.destinations, set_headers, ctx.body, body_sent, end_of_stream, changed
         )
 
-    def _route_any(
-        self, body: bytes, body_sent: bool, end_of_stream: bool
-    ) -> list[Message | bytes]:
+    def _route_any(self, body: bytes, body_sent: bool, end_of_stream: bool) -> list[Message]:
         ctx = self.ctx
         if ctx is None:
             raise ProtocolMismatch("the request ended before its headers arrived")
@@ -247,7 +242,7 @@ class ExtProcStream:
         body_sent: bool,
         end_of_stream: bool,
         changed: bool,
-    ) -> list[Message | bytes]:
+    ) -> list[Message]:
         """The routing answer; in BUFFERED mode the body goes back only when `changed`."""
         buffered = body_sent and self.modes.buffered_request
         if body and (changed or not buffered):
@@ -261,7 +256,7 @@ class ExtProcStream:
             return [
                 buffered_body_response(set_headers, remove, destinations, body if changed else None)
             ]
-        out: list[Message | bytes] = [request_headers_response(set_headers, remove, destinations)]
+        out: list[Message] = [request_headers_response(set_headers, remove, destinations)]
         if body_sent:
             out.extend(request_body_responses(body, end_of_stream))
         return out
@@ -280,7 +275,7 @@ class ExtProcStream:
 
     # -- response path -------------------------------------------------------------------
 
-    def _on_response_headers(self, request: Message) -> list[Message | bytes]:
+    def _on_response_headers(self, request: Message) -> list[Message]:
         message = request.response_headers
         headers = headers_of(message.headers)
         try:
@@ -312,7 +307,7 @@ class ExtProcStream:
                 out[name.lower()] = value
         return out
 
-    def _on_response_body(self, request: Message) -> list[Message | bytes]:
+    def _on_response_body(self, request: Message) -> list[Message]:
         chunk = request.response_body
         body: bytes = chunk.body
         record = self.record
