@@ -17,8 +17,9 @@ and one of two answers from the model server: `json` (one body chunk) or `sse32`
 Targets: `servegate` (this checkout's `src/`) and any `--compare NAME=SRC_DIR` (another
 checkout's `src/`, e.g. main's), plus `floor`: the same exchange answered with canned
 messages by a servicer with no picker behind it. A target that refuses a mode (main
-before BUFFERED support) is reported as such. The targets take turns for every setting,
-`--rounds` times with the order rotating; a cell is the median over the rounds.
+before BUFFERED support) is reported as such. For each answer and concurrency every
+(mode, target) pair takes a turn, `--rounds` times with the order rotating, so the
+ratios compare runs from the same minutes; a cell is the median over the rounds.
 
 Reported per request: *decision* (request headers sent → the routing answer received:
 what Envoy waits for before it connects upstream), the picker process's CPU (utime +
@@ -315,15 +316,14 @@ def main() -> None:
     results: dict[tuple[str, str, str, int], list[Run]] = {}
     try:
         settings = [
-            (answer, mode, int(c))
+            (answer, int(c))
             for answer in args.answers.split(",")
-            for mode in args.modes.split(",")
             for c in args.concurrency.split(",")
         ]
-        names = list(targets)
-        for answer, mode, concurrency in settings:
+        turns = [(mode, name) for mode in args.modes.split(",") for name in targets]
+        for answer, concurrency in settings:
             for r in range(args.rounds):
-                for name in names[r % len(names) :] + names[: r % len(names)]:
+                for mode, name in turns[r % len(turns) :] + turns[: r % len(turns)]:
                     proc, port = procs[name]
                     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
                         run = runner.run(drive(port, proc.pid, mode, answer, bodies, concurrency))
@@ -336,7 +336,9 @@ def main() -> None:
     print("| answer | mode | target | streams in flight | decision p50 | requests/s "
           f"| picker CPU / request | × {baseline} full-duplex |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
-    for (answer, mode, name, concurrency), runs in results.items():
+    for (answer, mode, name, concurrency), runs in sorted(
+        results.items(), key=lambda kv: (kv[0][0], kv[0][3], kv[0][1])
+    ):
         if runs[0].refused:
             print(f"| {answer} | {mode} | {name} | {concurrency} | refused "
                   f"({runs[0].refused}) | | | |")  # fmt: skip
