@@ -184,10 +184,15 @@ async def test_request_trailers_end_the_body_and_are_answered_last() -> None:
     assert (answer.body, answer.body_end_of_stream) == (body, False)
 
 
-async def test_headers_only_request_goes_to_any_endpoint_without_a_body_answer() -> None:
+@pytest.mark.parametrize("body_mode", [4, 2], ids=["full-duplex", "buffered"])
+async def test_headers_only_request_goes_to_any_endpoint_without_a_body_answer(
+    body_mode: int,
+) -> None:
     gw = make_gateway()
     stream = ExtProcStream(gw)
-    message = proxy.request_headers(headers("/v1/models", "GET"), end_of_stream=True)
+    message = proxy.request_headers(
+        headers("/v1/models", "GET"), end_of_stream=True, body_mode=body_mode
+    )
     answer = decode_request_answer(await feed(stream, [message]))
     assert answer.kinds == ["request_headers"]
     assert answer.destination in ADDRESSES
