@@ -5,10 +5,10 @@ Each target is a picker process (`--serve`, uvloop, pinned with `taskset` to
 no scraping, no health probes) and a four-scorer profile. This process plays Envoy,
 per request on its own `Process` stream, in one of two processing modes:
 
-  full-duplex  FULL_DUPLEX_STREAMED both ways (deploy/extproc/envoy-full-duplex.yaml):
+  full-duplex  FULL_DUPLEX_STREAMED both ways (deploy/extproc/envoy.yaml):
                request headers, the body in 16 KiB chunks (last with `end_of_stream`),
                response headers with the served endpoint, every response body chunk
-  buffered     deploy/extproc/envoy.yaml: request headers (answered at once), the whole
+  buffered     deploy/extproc/envoy-buffered.yaml: request headers (answered at once), the whole
                body in one message, response headers; response body NONE
 
 and one of two answers from the model server: `json` (one body chunk) or `sse32` (a

@@ -442,7 +442,7 @@ async def test_every_scenario_has_the_same_outcome_in_every_plane(
 async def test_buffered_ext_proc_has_the_same_outcomes_as_full_duplex(
     replicas: dict[str, Replica],
 ) -> None:
-    """deploy/extproc/envoy.yaml's modes (BUFFERED request body, response body NONE) route,
+    """deploy/extproc/envoy-buffered.yaml's modes (BUFFERED request body, response body NONE) route,
     rewrite and answer every scenario as the full-duplex modes do (and so as HTTP does)."""
     cfg = parse_config("", "<test>", environ={}, overrides=config(replicas))
     outcomes: dict[str, dict[str, Outcome]] = {}

@@ -180,7 +180,7 @@ async def test_buffered_mode_round_trip_over_grpc(
     cluster: SimCluster,
     session: aiohttp.ClientSession,
 ) -> None:
-    """deploy/extproc/envoy.yaml's modes: BUFFERED request body, response body NONE."""
+    """deploy/extproc/envoy-buffered.yaml's modes: BUFFERED request body, response body NONE."""
     stream = ProxyStream(channel, BUFFERED_NO_RESPONSE_BODY)
     body = orjson.dumps(chat(stream=True, max_tokens=5))
     answer = await stream.request(CHAT, body, headers=[("x-request-id", "r-b")])

@@ -42,10 +42,10 @@ def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return doc
 
 
-ENVOY_CONFIGS = ("envoy.yaml", "envoy-full-duplex.yaml")
+ENVOY_CONFIGS = ("envoy-buffered.yaml", "envoy.yaml")
 
 
-def envoy_bootstrap(name: str = "envoy.yaml") -> Any:
+def envoy_bootstrap(name: str = "envoy-buffered.yaml") -> Any:
     for module in TYPED_CONFIG_MODULES:
         importlib.import_module(module)
     doc = yaml.safe_load((DEPLOY / name).read_text())
@@ -57,8 +57,8 @@ def envoy_bootstrap(name: str = "envoy.yaml") -> Any:
 @pytest.mark.parametrize(
     ("name", "bodies", "trailers", "modes"),
     [
-        pytest.param("envoy.yaml", (2, 0), (2, 2), Modes(True, False), id="buffered"),
-        pytest.param("envoy-full-duplex.yaml", (4, 4), (1, 1), Modes(False, True), id="duplex"),
+        pytest.param("envoy-buffered.yaml", (2, 0), (2, 2), Modes(True, False), id="buffered"),
+        pytest.param("envoy.yaml", (4, 4), (1, 1), Modes(False, True), id="duplex"),
     ],
 )
 def test_envoy_config_is_a_valid_bootstrap_with_ext_proc_modes_the_picker_speaks(

@@ -88,7 +88,7 @@ async def send_request(
 async def send_buffered(
     stream: ExtProcStream, body: bytes, subset: list[str] | None = None
 ) -> tuple[Message, RequestAnswer]:
-    """deploy/extproc/envoy.yaml's modes: (the answer to the headers, the answer to the body)."""
+    """deploy/extproc/envoy-buffered.yaml's modes: (the answer to the headers, the answer to the body)."""
     buffered = proxy.request_headers(headers(), subset=subset, body_mode=2, response_body_mode=0)
     (first,) = await feed(stream, [buffered])
     answers = await feed(stream, [proxy.request_body(body, True)])
@@ -386,7 +386,7 @@ async def test_api_keys_guard_requests_without_a_body_too(
         assert "authorization" in answer.removed_headers
 
 
-# -- BUFFERED request body, response body NONE (deploy/extproc/envoy.yaml) --------------
+# -- BUFFERED request body, response body NONE (deploy/extproc/envoy-buffered.yaml) --------------
 
 
 async def test_buffered_mode_routes_on_the_whole_body_and_ends_at_the_response_headers() -> None:

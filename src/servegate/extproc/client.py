@@ -5,7 +5,7 @@ For tests and the benchmark, where no Envoy runs: `ProxyStream` drives one
 FULL_DUPLEX_STREAMED mode (request headers, then every body chunk without
 waiting, the last with `end_of_stream`, or request trailers; then the response
 headers with the served endpoint in `envoy.lb` metadata, body chunks and trailers)
-or, with `BUFFERED_NO_RESPONSE_BODY`, in deploy/extproc/envoy.yaml's modes (request
+or, with `BUFFERED_NO_RESPONSE_BODY`, in deploy/extproc/envoy-buffered.yaml's modes (request
 headers, wait for their answer, the whole body in one message; the response headers
 are the last message), and collects the picker's answers.
 """
@@ -42,7 +42,7 @@ from servegate.extproc.protocol import (
 )
 
 BUFFERED_NO_RESPONSE_BODY = Modes(buffered_request=True, response_body=False)
-"""deploy/extproc/envoy.yaml: request body BUFFERED, response body NONE."""
+"""deploy/extproc/envoy-buffered.yaml: request body BUFFERED, response body NONE."""
 
 # -- messages ------------------------------------------------------------------------
 

@@ -105,7 +105,7 @@ def read_modes(request: Message) -> Modes:
             f"request_body_mode is {names(config.request_body_mode)} and response_body_mode "
             f"{names(config.response_body_mode)}; servegate's endpoint picker needs "
             "request_body_mode BUFFERED or FULL_DUPLEX_STREAMED and response_body_mode "
-            "NONE or FULL_DUPLEX_STREAMED (see deploy/extproc/envoy.yaml)"
+            "NONE or FULL_DUPLEX_STREAMED (see docs/extproc.md, 'Processing modes')"
         )
     return Modes(buffered, response_body)
 
