@@ -26,7 +26,8 @@ import pytest
 from aiohttp import web
 
 from servegate.config import parse_config
-from servegate.extproc.client import ProxyStream
+from servegate.extproc.client import BUFFERED_NO_RESPONSE_BODY, ProxyStream
+from servegate.extproc.protocol import FULL_DUPLEX_MODES, Modes
 from servegate.extproc.server import ExtProcServer
 from servegate.gateway.app import Gateway, build_gateway
 from servegate.integrations.asgi_gateway import GatewayASGI, Message
@@ -304,9 +305,13 @@ async def through_http(
 
 
 async def through_extproc(
-    channel: grpc.aio.Channel, reps: dict[str, Replica], scenario: Scenario, rid: str
+    channel: grpc.aio.Channel,
+    reps: dict[str, Replica],
+    scenario: Scenario,
+    rid: str,
+    modes: Modes = FULL_DUPLEX_MODES,
 ) -> Outcome:
-    stream = ProxyStream(channel)
+    stream = ProxyStream(channel, modes)
     client_headers = [("x-request-id", rid), *scenario.headers]
     subset = None
     if scenario.subset is not None:
@@ -432,3 +437,30 @@ async def test_every_scenario_has_the_same_outcome_in_every_plane(
     outside = got["subset-outside"]
     assert (outside.status, outside.replica) == (503, None)
     assert outside.answer["x-llm-d-request-dropped-reason"] == "rejected-no-endpoints"
+
+
+async def test_buffered_ext_proc_has_the_same_outcomes_as_full_duplex(
+    replicas: dict[str, Replica],
+) -> None:
+    """deploy/extproc/envoy-buffered.yaml's modes (BUFFERED request body, response body NONE) route,
+    rewrite and answer every scenario as the full-duplex modes do (and so as HTTP does)."""
+    cfg = parse_config("", "<test>", environ={}, overrides=config(replicas))
+    outcomes: dict[str, dict[str, Outcome]] = {}
+    for name, modes in (
+        ("full-duplex", FULL_DUPLEX_MODES),
+        ("buffered", BUFFERED_NO_RESPONSE_BODY),
+    ):
+        async with ExtProcServer(build_gateway(cfg, None, io.BytesIO())) as server:
+            await ready(server.gw)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                outcomes[name] = {
+                    s.id: await through_extproc(channel, replicas, s, f"r-{s.id}", modes)
+                    for s in SCENARIOS
+                }
+            assert all(s.in_flight_requests == 0 for r in server.gw.runtimes for s in r.pool)
+    for scenario in SCENARIOS:
+        assert outcomes["buffered"][scenario.id] == outcomes["full-duplex"][scenario.id], (
+            scenario.id
+        )
+    rewritten = outcomes["buffered"]["weighted-split"]
+    assert (rewritten.replica, rewritten.model) == ("b1", "beta")

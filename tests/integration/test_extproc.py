@@ -21,7 +21,7 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from servegate.config import parse_config
-from servegate.extproc.client import ProxyStream, RequestAnswer
+from servegate.extproc.client import BUFFERED_NO_RESPONSE_BODY, ProxyStream, RequestAnswer
 from servegate.extproc.protocol import SERVICE_NAME
 from servegate.extproc.server import ExtProcServer
 from servegate.gateway.app import build_gateway
@@ -172,6 +172,76 @@ async def test_a_cancelled_stream_releases_its_endpoint(
     assert state.in_flight_requests == 1
     stream.cancel()
     await wait_for(lambda: state.in_flight_requests == 0, what="the endpoint released")
+
+
+async def test_buffered_mode_round_trip_over_grpc(
+    picker: ExtProcServer,
+    channel: grpc.aio.Channel,
+    cluster: SimCluster,
+    session: aiohttp.ClientSession,
+) -> None:
+    """deploy/extproc/envoy-buffered.yaml's modes: BUFFERED request body, response body NONE."""
+    stream = ProxyStream(channel, BUFFERED_NO_RESPONSE_BODY)
+    body = orjson.dumps(chat(stream=True, max_tokens=5))
+    answer = await stream.request(CHAT, body, headers=[("x-request-id", "r-b")])
+    assert answer.kinds == ["request_headers", "request_body"]
+    assert answer.destination == answer.metadata_destination
+    assert set(answer.endpoints) == set(cluster.addresses)
+    assert answer.clear_route_cache
+    assert answer.body == body  # not rewritten: the proxy keeps its own
+    assert answer.set_headers["x-request-id"] == "r-b"
+    state = picker.gw.pool.get(answer.endpoints[0])
+    assert state is not None
+    assert state.in_flight_requests == 1
+    status, content_type, parts = await forward(session, answer)
+    assert (status, content_type) == (200, "text/event-stream")
+    mutation, returned = await stream.respond(
+        status, parts, served=answer.endpoints[0], content_type=content_type
+    )
+    await stream.close()
+    assert returned.rstrip().endswith(b"data: [DONE]")
+    assert mutation["x-gateway-destination-endpoint"] == answer.endpoints[0]
+    assert mutation["x-request-id"] == "r-b"
+    registry = picker.gw.metrics.registry
+    counted = {"model_name": MODEL, "target_model_name": MODEL, "priority": "0"}
+    await wait_for(
+        lambda: registry.get_sample_value("inference_objective_request_total", counted) == 1.0,
+        what="the request counted",
+    )
+    # no response body in this mode: released at the response headers, no usage read
+    assert state.in_flight_requests == 0
+    labels = {"model_name": MODEL, "target_model_name": MODEL}
+    assert registry.get_sample_value("inference_objective_output_tokens_sum", labels) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("body", "subset", "status", "error_type"),
+    [
+        pytest.param(b"{not json", None, 400, "invalid_request_error", id="bad-json"),
+        pytest.param(orjson.dumps(chat(model="nope")), None, 404, "invalid_request_error",
+                     id="unknown-model"),
+        pytest.param(orjson.dumps(chat()), [], 503, "service_unavailable_error", id="empty-subset"),
+    ],
+)  # fmt: skip
+async def test_buffered_mode_rejections_are_immediate_responses_with_openai_errors(
+    picker: ExtProcServer,
+    channel: grpc.aio.Channel,
+    body: bytes,
+    subset: list[str] | None,
+    status: int,
+    error_type: str,
+) -> None:
+    stream = ProxyStream(channel, BUFFERED_NO_RESPONSE_BODY)
+    answer = await stream.request(CHAT, body, headers=[("x-request-id", "r-e")], subset=subset)
+    await stream.close()
+    assert answer.kinds == ["request_headers", "immediate_response"]
+    assert answer.immediate_status == status
+    assert answer.immediate_headers["content-type"] == "application/json"
+    assert answer.immediate_headers["x-request-id"] == "r-e"
+    error = orjson.loads(answer.immediate_body)["error"]
+    assert error["type"] == error_type
+    assert error["message"]
+    assert all(s.in_flight_requests == 0 for s in picker.gw.pool)
 
 
 async def test_empty_pool_answers_503() -> None:

@@ -7,12 +7,19 @@ import importlib
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from envoy.config.bootstrap.v3.bootstrap_pb2 import Bootstrap
 from google.protobuf import json_format
 
 from servegate.config import ServegateConfig, parse_config
-from servegate.extproc.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE, SUBSET_NAMESPACE
+from servegate.extproc.protocol import (
+    DESTINATION_KEY,
+    DESTINATION_NAMESPACE,
+    SUBSET_NAMESPACE,
+    Modes,
+    read_modes,
+)
 from servegate.gateway.app import build_gateway
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "extproc"
@@ -35,34 +42,54 @@ def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return doc
 
 
-def envoy_bootstrap() -> Any:
+ENVOY_CONFIGS = ("envoy-buffered.yaml", "envoy.yaml")
+
+
+def envoy_bootstrap(name: str = "envoy-buffered.yaml") -> Any:
     for module in TYPED_CONFIG_MODULES:
         importlib.import_module(module)
-    doc = yaml.safe_load((DEPLOY / "envoy.yaml").read_text())
+    doc = yaml.safe_load((DEPLOY / name).read_text())
     return json_format.ParseDict(doc, Bootstrap())
 
 
-def test_envoy_config_is_a_valid_bootstrap_with_full_duplex_ext_proc() -> None:
+# ProcessingMode: HeaderSendMode SEND 1, SKIP 2; BodySendMode NONE 0, BUFFERED 2,
+# FULL_DUPLEX_STREAMED 4 (full duplex needs trailers sent both ways)
+@pytest.mark.parametrize(
+    ("name", "bodies", "trailers", "modes"),
+    [
+        pytest.param("envoy-buffered.yaml", (2, 0), (2, 2), Modes(True, False), id="buffered"),
+        pytest.param("envoy.yaml", (4, 4), (1, 1), Modes(False, True), id="duplex"),
+    ],
+)
+def test_envoy_config_is_a_valid_bootstrap_with_ext_proc_modes_the_picker_speaks(
+    name: str, bodies: tuple[int, int], trailers: tuple[int, int], modes: Modes
+) -> None:
     from envoy.extensions.filters.http.ext_proc.v3.ext_proc_pb2 import ExternalProcessor
-    from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
     from envoy.extensions.filters.network.http_connection_manager.v3 import (
         http_connection_manager_pb2 as hcm_pb2,
     )
+    from envoy.service.ext_proc.v3.external_processor_pb2 import (
+        ProcessingRequest,
+        ProtocolConfiguration,
+    )
 
-    bootstrap = envoy_bootstrap()
+    bootstrap = envoy_bootstrap(name)
     hcm = hcm_pb2.HttpConnectionManager()
     bootstrap.static_resources.listeners[0].filter_chains[0].filters[0].typed_config.Unpack(hcm)
     ext_proc = ExternalProcessor()
     hcm.http_filters[0].typed_config.Unpack(ext_proc)
     mode = ext_proc.processing_mode
-    assert (mode.request_body_mode, mode.response_body_mode) == (
-        ProcessingMode.FULL_DUPLEX_STREAMED,
-        ProcessingMode.FULL_DUPLEX_STREAMED,
+    assert (mode.request_header_mode, mode.response_header_mode) == (1, 1)
+    assert (mode.request_body_mode, mode.response_body_mode) == bodies
+    assert (mode.request_trailer_mode, mode.response_trailer_mode) == trailers
+    # what Envoy announces with these modes is what the picker reads
+    announced = ProtocolConfiguration(
+        request_body_mode=mode.request_body_mode, response_body_mode=mode.response_body_mode
     )
-    assert (mode.request_trailer_mode, mode.response_trailer_mode) == (
-        ProcessingMode.SEND,
-        ProcessingMode.SEND,
-    )
+    assert read_modes(ProcessingRequest(protocol_config=announced)) == modes
+    if modes.buffered_request:  # Envoy answers 413 to a body over its buffer, not servegate
+        limit = bootstrap.static_resources.listeners[0].per_connection_buffer_limit_bytes.value
+        assert limit >= ServegateConfig().gateway.max_body_bytes
     assert list(ext_proc.metadata_options.receiving_namespaces.untyped) == [DESTINATION_NAMESPACE]
     assert SUBSET_NAMESPACE in ext_proc.metadata_options.forwarding_namespaces.untyped
     assert not ext_proc.failure_mode_allow
@@ -71,12 +98,13 @@ def test_envoy_config_is_a_valid_bootstrap_with_full_duplex_ext_proc() -> None:
     assert retries == ServegateConfig().gateway.max_retries
 
 
-def test_envoy_pool_cluster_reads_the_destination_header_and_metadata() -> None:
+@pytest.mark.parametrize("name", ENVOY_CONFIGS)
+def test_envoy_pool_cluster_reads_the_destination_header_and_metadata(name: str) -> None:
     from envoy.extensions.load_balancing_policies.override_host.v3.override_host_pb2 import (
         OverrideHost,
     )
 
-    clusters = {c.name: c for c in envoy_bootstrap().static_resources.clusters}
+    clusters = {c.name: c for c in envoy_bootstrap(name).static_resources.clusters}
     picker = clusters["servegate_picker"]
     address = picker.load_assignment.endpoints[0].lb_endpoints[0].endpoint.address
     assert address.socket_address.port_value == ServegateConfig().extproc.port

@@ -11,11 +11,13 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 from servegate.extproc import client as proxy
 from servegate.extproc.protocol import (
     BODY_CHUNK_BYTES,
+    FULL_DUPLEX_MODES,
+    Modes,
     ProtocolMismatch,
-    check_mode,
     destination_metadata,
     headers_of,
     immediate_response,
+    read_modes,
     request_body_responses,
     request_headers_response,
     served_endpoint,
@@ -71,23 +73,34 @@ def test_served_endpoint(served: str | None, expected: str | None) -> None:
     assert served_endpoint(proxy.response_headers([(":status", "200")], served=served)) == expected
 
 
+# BodySendMode: NONE 0, STREAMED 1, BUFFERED 2, BUFFERED_PARTIAL 3, FULL_DUPLEX_STREAMED 4
 @pytest.mark.parametrize(
-    ("mode", "refused"),
+    ("request_mode", "response_mode", "expected"),
     [
-        pytest.param(4, False, id="full-duplex"),
-        pytest.param(0, False, id="none"),
-        pytest.param(2, True, id="buffered"),
-        pytest.param(1, True, id="streamed"),
+        pytest.param(4, 4, Modes(buffered_request=False, response_body=True), id="full-duplex"),
+        pytest.param(0, 4, Modes(buffered_request=False, response_body=True), id="no-body"),
+        pytest.param(2, 0, Modes(buffered_request=True, response_body=False), id="buffered-none"),
+        pytest.param(2, 4, Modes(buffered_request=True, response_body=True), id="buffered-duplex"),
+        pytest.param(4, 0, Modes(buffered_request=False, response_body=False), id="duplex-none"),
+        pytest.param(1, 4, None, id="streamed-request"),
+        pytest.param(3, 0, None, id="buffered-partial-request"),
+        pytest.param(2, 2, None, id="buffered-response"),
+        pytest.param(4, 1, None, id="streamed-response"),
     ],
 )
-def test_check_mode(mode: int, refused: bool) -> None:
-    message = proxy.request_headers([(":path", "/")], body_mode=mode)
-    if refused:
-        with pytest.raises(ProtocolMismatch):
-            check_mode(message)
+def test_read_modes(request_mode: int, response_mode: int, expected: Modes | None) -> None:
+    message = proxy.request_headers(
+        [(":path", "/")], body_mode=request_mode, response_body_mode=response_mode
+    )
+    if expected is None:
+        with pytest.raises(ProtocolMismatch, match="BUFFERED or FULL_DUPLEX_STREAMED"):
+            read_modes(message)
     else:
-        check_mode(message)
-    check_mode(ProcessingRequest())
+        assert read_modes(message) == expected
+
+
+def test_a_proxy_that_announces_no_modes_is_taken_for_full_duplex() -> None:
+    assert read_modes(ProcessingRequest()) == FULL_DUPLEX_MODES == Modes(False, True)
 
 
 @pytest.mark.parametrize(

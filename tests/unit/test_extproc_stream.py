@@ -85,6 +85,16 @@ async def send_request(
     return decode_request_answer(await feed(stream, messages))
 
 
+async def send_buffered(
+    stream: ExtProcStream, body: bytes, subset: list[str] | None = None
+) -> tuple[Message, RequestAnswer]:
+    """deploy/extproc/envoy-buffered.yaml's modes: (the answer to the headers, the answer to the body)."""
+    buffered = proxy.request_headers(headers(), subset=subset, body_mode=2, response_body_mode=0)
+    (first,) = await feed(stream, [buffered])
+    answers = await feed(stream, [proxy.request_body(body, True)])
+    return first, decode_request_answer(answers, sent_body=body)
+
+
 async def test_non_streaming_request_answers_headers_then_body_then_passes_the_response() -> None:
     gw = make_gateway(queues=(3.0, 0.0, 1.0))
     stream = ExtProcStream(gw)
@@ -174,10 +184,15 @@ async def test_request_trailers_end_the_body_and_are_answered_last() -> None:
     assert (answer.body, answer.body_end_of_stream) == (body, False)
 
 
-async def test_headers_only_request_goes_to_any_endpoint_without_a_body_answer() -> None:
+@pytest.mark.parametrize("body_mode", [4, 2], ids=["full-duplex", "buffered"])
+async def test_headers_only_request_goes_to_any_endpoint_without_a_body_answer(
+    body_mode: int,
+) -> None:
     gw = make_gateway()
     stream = ExtProcStream(gw)
-    message = proxy.request_headers(headers("/v1/models", "GET"), end_of_stream=True)
+    message = proxy.request_headers(
+        headers("/v1/models", "GET"), end_of_stream=True, body_mode=body_mode
+    )
     answer = decode_request_answer(await feed(stream, [message]))
     assert answer.kinds == ["request_headers"]
     assert answer.destination in ADDRESSES
@@ -214,8 +229,9 @@ async def test_subset_hint_limits_the_candidates(subset: list[str], expected: li
         pytest.param("no-api-key", 401, None, id="no-api-key"),
     ],
 )
+@pytest.mark.parametrize("buffered", [False, True], ids=["full-duplex", "buffered"])
 async def test_unroutable_requests_get_an_immediate_response(
-    case: str, status: int, reason: str | None
+    case: str, status: int, reason: str | None, buffered: bool
 ) -> None:
     extra: dict[str, Any] = {}
     if case == "no-api-key":
@@ -231,7 +247,10 @@ async def test_unroutable_requests_get_an_immediate_response(
     )
     subset = {"empty-subset": [], "subset-outside-pool": ["10.9.9.9:8000"]}.get(case)
     stream = ExtProcStream(gw)
-    answer = await send_request(stream, body, subset=subset)
+    if buffered:
+        _, answer = await send_buffered(stream, body, subset=subset)
+    else:
+        answer = await send_request(stream, body, subset=subset)
     assert stream.finished
     assert answer.kinds == ["immediate_response"]
     assert answer.immediate_status == status
@@ -287,12 +306,12 @@ async def test_an_upstream_5xx_counts_against_the_endpoint() -> None:
     assert sample == 1.0
 
 
-async def test_a_buffered_mode_proxy_is_refused_with_a_clear_message() -> None:
+async def test_a_streamed_mode_proxy_is_refused_with_a_clear_message() -> None:
     from servegate.extproc.protocol import ProtocolMismatch
 
     gw = make_gateway()
-    message = proxy.request_headers(headers(), body_mode=2)
-    with pytest.raises(ProtocolMismatch, match="FULL_DUPLEX_STREAMED"):
+    message = proxy.request_headers(headers(), body_mode=1)  # STREAMED
+    with pytest.raises(ProtocolMismatch, match="request_body_mode is STREAMED"):
         await ExtProcStream(gw).handle(message)
 
 
@@ -365,3 +384,65 @@ async def test_api_keys_guard_requests_without_a_body_too(
     assert answer.immediate_status == status
     if status is None:
         assert "authorization" in answer.removed_headers
+
+
+# -- BUFFERED request body, response body NONE (deploy/extproc/envoy-buffered.yaml) --------------
+
+
+async def test_buffered_mode_routes_on_the_whole_body_and_ends_at_the_response_headers() -> None:
+    gw = make_gateway(queues=(3.0, 0.0, 1.0))
+    stream = ExtProcStream(gw)
+    body = chat_body()
+    first, answer = await send_buffered(stream, body)
+    # the headers are answered at once, with nothing in it: the destination needs the body
+    assert first.WhichOneof("response") == "request_headers"
+    assert first.request_headers == type(first.request_headers)()
+    assert first.dynamic_metadata.fields == {}
+    # one answer to the body carries the routing (same ranking as in full-duplex mode above)
+    assert answer.kinds == ["request_body"]
+    assert answer.endpoints == ["10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.1:8000"]
+    assert answer.metadata_destination == answer.destination
+    assert answer.clear_route_cache
+    assert "x-gateway-destination-endpoint-subset" in answer.removed_headers
+    # the body was not rewritten: the proxy keeps its own, and its content-length
+    assert answer.body == body
+    assert "content-length" not in answer.set_headers
+    primary = gw.pool.get("10.0.0.2:8000")
+    assert primary is not None
+    assert primary.in_flight_requests == 1
+    out = await feed(
+        stream,
+        [proxy.response_headers([(":status", "200"), ("content-type", "text/event-stream")])],
+    )
+    assert [m.WhichOneof("response") for m in out] == ["response_headers"]
+    assert proxy.response_header_mutation(out[0])["x-gateway-destination-endpoint"] == (
+        "10.0.0.2:8000"
+    )
+    # no response body follows in this mode: the response headers complete the request
+    assert primary.in_flight_requests == 0
+    stream.close()
+    assert stream.record is not None
+    assert (stream.record.status, stream.record.error) == (200, None)
+    assert stream.record.completion_tokens is None
+
+
+async def test_buffered_mode_returns_the_body_with_the_rewritten_model_and_its_length() -> None:
+    rewrite = {"rules": [{"matches": [{"model": "public"}], "targets": [{"modelRewrite": MODEL}]}]}
+    gw = make_gateway(model_rewrites=[rewrite])
+    stream = ExtProcStream(gw)
+    _, answer = await send_buffered(stream, chat_body(model="public"))
+    assert orjson.loads(answer.body)["model"] == MODEL
+    assert answer.set_headers["content-length"] == str(len(answer.body))
+    assert answer.endpoints
+
+
+async def test_buffered_mode_answers_request_trailers_after_the_routing_answer() -> None:
+    gw = make_gateway()
+    stream = ExtProcStream(gw)
+    buffered = proxy.request_headers(headers(), body_mode=2, response_body_mode=0)
+    await feed(stream, [buffered])
+    # with trailers to come, the one body message does not carry end_of_stream
+    routed = await feed(stream, [proxy.request_body(chat_body(), False)])
+    assert [m.WhichOneof("response") for m in routed] == ["request_body"]
+    trailers = await feed(stream, [proxy.request_trailers([("x-t", "1")])])
+    assert [m.WhichOneof("response") for m in trailers] == ["request_trailers"]

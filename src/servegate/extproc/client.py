@@ -5,7 +5,9 @@ For tests and the benchmark, where no Envoy runs: `ProxyStream` drives one
 FULL_DUPLEX_STREAMED mode (request headers, then every body chunk without
 waiting, the last with `end_of_stream`, or request trailers; then the response
 headers with the served endpoint in `envoy.lb` metadata, body chunks and trailers)
-and collects the picker's answers.
+or, with `BUFFERED_NO_RESPONSE_BODY`, in deploy/extproc/envoy-buffered.yaml's modes (request
+headers, wait for their answer, the whole body in one message; the response headers
+are the last message), and collects the picker's answers.
 """
 
 from __future__ import annotations
@@ -26,14 +28,21 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
 
 from servegate.extproc.protocol import (
+    BUFFERED,
     DESTINATION_KEY,
     DESTINATION_NAMESPACE,
     FULL_DUPLEX,
+    FULL_DUPLEX_MODES,
+    NO_BODY,
     SERVED_KEY,
     SUBSET_KEY,
     SUBSET_NAMESPACE,
     Message,
+    Modes,
 )
+
+BUFFERED_NO_RESPONSE_BODY = Modes(buffered_request=True, response_body=False)
+"""deploy/extproc/envoy-buffered.yaml: request body BUFFERED, response body NONE."""
 
 # -- messages ------------------------------------------------------------------------
 
@@ -54,11 +63,12 @@ def request_headers(
     end_of_stream: bool = False,
     subset: Sequence[str] | None = None,
     body_mode: int = FULL_DUPLEX,
+    response_body_mode: int = FULL_DUPLEX,
 ) -> Message:
     message = ProcessingRequest(
         request_headers=HttpHeaders(headers=header_map(headers), end_of_stream=end_of_stream),
         protocol_config=ProtocolConfiguration(
-            request_body_mode=body_mode, response_body_mode=FULL_DUPLEX
+            request_body_mode=body_mode, response_body_mode=response_body_mode
         ),
     )
     if subset is not None:
@@ -127,7 +137,24 @@ class RequestAnswer:
         return (self.destination or "").split(",") if self.destination else []
 
 
-def decode_request_answer(responses: Sequence[Message]) -> RequestAnswer:
+def _decode_routing(answer: RequestAnswer, response: Message, common: Message) -> None:
+    answer.clear_route_cache = common.clear_route_cache
+    answer.set_headers = {
+        o.header.key: o.header.raw_value.decode() for o in common.header_mutation.set_headers
+    }
+    answer.removed_headers = list(common.header_mutation.remove_headers)
+    fields = response.dynamic_metadata.fields
+    if DESTINATION_NAMESPACE in fields:
+        lb = fields[DESTINATION_NAMESPACE].struct_value.fields
+        if DESTINATION_KEY in lb:
+            answer.metadata_destination = lb[DESTINATION_KEY].string_value
+
+
+def decode_request_answer(
+    responses: Sequence[Message], sent_body: bytes | None = None
+) -> RequestAnswer:
+    """The answers decoded. `sent_body`: the body a BUFFERED-mode proxy sent, which it keeps
+    when the answer does not replace it."""
     answer = RequestAnswer()
     for response in responses:
         kind = response.WhichOneof("response")
@@ -140,18 +167,15 @@ def decode_request_answer(responses: Sequence[Message]) -> RequestAnswer:
             }
             answer.immediate_body = immediate.body
         elif kind == "request_headers":
-            common = response.request_headers.response
-            answer.clear_route_cache = common.clear_route_cache
-            answer.set_headers = {
-                o.header.key: o.header.raw_value.decode()
-                for o in common.header_mutation.set_headers
-            }
-            answer.removed_headers = list(common.header_mutation.remove_headers)
-            fields = response.dynamic_metadata.fields
-            if DESTINATION_NAMESPACE in fields:
-                lb = fields[DESTINATION_NAMESPACE].struct_value.fields
-                if DESTINATION_KEY in lb:
-                    answer.metadata_destination = lb[DESTINATION_KEY].string_value
+            _decode_routing(answer, response, response.request_headers.response)
+        elif kind == "request_body" and sent_body is not None:  # BUFFERED: one answer
+            common = response.request_body.response
+            _decode_routing(answer, response, common)
+            mutation = common.body_mutation
+            replaced = mutation.WhichOneof("mutation") == "body"
+            answer.body = mutation.body if replaced else sent_body
+            answer.body_chunks = 1
+            answer.body_end_of_stream = True
         elif kind == "request_body":
             streamed = response.request_body.response.body_mutation.streamed_response
             answer.body += streamed.body
@@ -173,8 +197,9 @@ def response_header_mutation(response: Message) -> dict[str, str]:
 class ProxyStream:
     """One `Process` call: `await request(...)`, then `await respond(...)`, then `await close()`."""
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, modes: Modes = FULL_DUPLEX_MODES) -> None:
         self.call: Any = ExternalProcessorStub(channel).Process()
+        self.modes = modes
         self.sent = 0
 
     async def send(self, message: Message) -> None:
@@ -205,7 +230,18 @@ class ProxyStream:
             pseudo.append(("content-length", str(len(body))))
         all_headers = [*pseudo, *headers]
         no_body = body is None and trailers is None
-        await self.send(request_headers(all_headers, end_of_stream=no_body, subset=subset))
+        modes = self.modes
+        await self.send(
+            request_headers(
+                all_headers,
+                end_of_stream=no_body,
+                subset=subset,
+                body_mode=BUFFERED if modes.buffered_request else FULL_DUPLEX,
+                response_body_mode=FULL_DUPLEX if modes.response_body else NO_BODY,
+            )
+        )
+        if modes.buffered_request and not no_body:
+            return await self._buffered_request(body or b"", trailers)
         if body is not None:
             parts = chunks(body, chunk_size)
             for i, part in enumerate(parts):
@@ -230,6 +266,22 @@ class ProxyStream:
                     break
         return decode_request_answer(responses)
 
+    async def _buffered_request(
+        self, body: bytes, trailers: Sequence[tuple[str, str]] | None
+    ) -> RequestAnswer:
+        """BUFFERED: the headers' answer comes first, then the whole body goes in one message."""
+        responses = [await self.read()]
+        if responses[0].WhichOneof("response") == "immediate_response":
+            return decode_request_answer(responses)
+        await self.send(request_body(body, trailers is None))
+        responses.append(await self.read())
+        if trailers is not None and responses[-1].WhichOneof("response") != "immediate_response":
+            await self.send(request_trailers(trailers))
+            responses.append(await self.read())
+        answer = decode_request_answer(responses[1:], sent_body=body)
+        answer.kinds[:0] = [responses[0].WhichOneof("response")]
+        return answer
+
     async def respond(
         self,
         status: int,
@@ -243,6 +295,8 @@ class ProxyStream:
         empty = not body_chunks and trailers is None
         await self.send(response_headers(headers, served=served, end_of_stream=empty))
         mutation = response_header_mutation(await self.read())
+        if not self.modes.response_body:  # the proxy relays the body without the picker
+            return mutation, b"".join(body_chunks)
         returned = b""
         for i, part in enumerate(body_chunks):
             last = i == len(body_chunks) - 1 and trailers is None

@@ -9,31 +9,33 @@ plain Python values. The names are the Gateway API Inference Extension's
              metadata  envoy.lb → x-gateway-destination-endpoint (the same value)
     response metadata  envoy.lb → x-gateway-destination-endpoint-served: ip:port
 
-In FULL_DUPLEX_STREAMED mode the header answer waits until the body is
-complete; bodies go back as `streamed_response` chunks of at most
-`BODY_CHUNK_BYTES` (some Envoy builds cap a chunk at 64 KiB).
+Two request body modes, told apart by the `protocol_config` Envoy puts on a stream's
+first message (`Modes`). FULL_DUPLEX_STREAMED (and no `protocol_config`): the header
+answer waits until the body is complete; bodies go back as `streamed_response` chunks of
+at most `BODY_CHUNK_BYTES` (some Envoy builds cap a chunk at 64 KiB). BUFFERED: the
+headers are answered at once with `CONTINUE` and the whole body comes in one message,
+whose answer carries the destination (header mutation and metadata) and the body only
+when the picker rewrote it. A response body mode of NONE means the response headers are
+the last message Envoy sends.
+
+The answers that never change are built once (`CONTINUE_REQUEST_HEADERS`, …). Handing
+gRPC pre-serialised bytes through a Python serialiser measured slower than the generated
+C serialiser on these cached messages (docs/benchmarks.md), so answers stay messages.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.config.core.v3.base_pb2 import HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
-    BodyMutation,
-    BodyResponse,
-    CommonResponse,
-    HeaderMutation,
     HeadersResponse,
-    ImmediateResponse,
     ProcessingResponse,
-    StreamedBodyResponse,
     TrailersResponse,
 )
-from envoy.type.v3.http_status_pb2 import HttpStatus
-from google.protobuf.struct_pb2 import Struct, Value
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 DESTINATION_NAMESPACE = "envoy.lb"
@@ -43,6 +45,8 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 BODY_CHUNK_BYTES = 62_000
 FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
+BUFFERED = ProcessingMode.BUFFERED
+NO_BODY = ProcessingMode.NONE
 OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 Message = Any
@@ -72,17 +76,38 @@ def headers_of(header_map: Message) -> dict[str, str]:
     return out
 
 
-def check_mode(request: Message) -> None:
-    """Refuse a stream whose proxy announces a request body mode other than full duplex."""
+@dataclass(frozen=True, slots=True)
+class Modes:
+    """How Envoy's filter is set up for this stream, as its `protocol_config` says."""
+
+    buffered_request: bool = False
+    """The whole request body in one message, answered with the destination."""
+    response_body: bool = True
+    """Response body chunks follow the response headers (FULL_DUPLEX_STREAMED)."""
+
+
+FULL_DUPLEX_MODES = Modes()
+"""What a proxy that sends no `protocol_config` gets: the mode llm-d's router requires."""
+_REQUEST_MODES = {FULL_DUPLEX: False, NO_BODY: False, BUFFERED: True}
+_RESPONSE_MODES = {FULL_DUPLEX: True, NO_BODY: False}
+
+
+def read_modes(request: Message) -> Modes:
+    """The stream's modes; a mode this picker does not speak refuses the stream."""
     if not request.HasField("protocol_config"):
-        return
-    mode = request.protocol_config.request_body_mode
-    if mode not in (FULL_DUPLEX, ProcessingMode.NONE):
-        name = ProcessingMode.BodySendMode.Name(mode)
+        return FULL_DUPLEX_MODES
+    config = request.protocol_config
+    buffered = _REQUEST_MODES.get(config.request_body_mode)
+    response_body = _RESPONSE_MODES.get(config.response_body_mode)
+    if buffered is None or response_body is None:
+        names = ProcessingMode.BodySendMode.Name
         raise ProtocolMismatch(
-            f"request_body_mode is {name}; servegate's endpoint picker needs "
-            "FULL_DUPLEX_STREAMED (see deploy/extproc/envoy.yaml)"
+            f"request_body_mode is {names(config.request_body_mode)} and response_body_mode "
+            f"{names(config.response_body_mode)}; servegate's endpoint picker needs "
+            "request_body_mode BUFFERED or FULL_DUPLEX_STREAMED and response_body_mode "
+            "NONE or FULL_DUPLEX_STREAMED (see docs/extproc.md, 'Processing modes')"
         )
+    return Modes(buffered, response_body)
 
 
 def _metadata_value(request: Message, namespace: str, key: str) -> Message | None:
@@ -128,93 +153,111 @@ def served_endpoint(request: Message) -> str | None:
 
 
 # -- building --------------------------------------------------------------------------
+#
+# Answers are built by assigning through one `ProcessingResponse` rather than by nesting
+# constructors: upb copies every sub-message passed to a constructor, which made a
+# response-headers answer cost ~25 µs against ~6 µs this way.
 
 
-def header_options(headers: Mapping[str, str]) -> list[Message]:
-    return [
-        HeaderValueOption(
-            header=HeaderValue(key=name, raw_value=value.encode()), append_action=OVERWRITE
-        )
-        for name, value in headers.items()
-    ]
+def add_headers(options: Message, headers: Mapping[str, str]) -> None:
+    """Append `headers` to a repeated `HeaderValueOption`, each overwriting its namesake."""
+    add = options.add
+    for name, value in headers.items():
+        add(header={"key": name, "raw_value": value.encode()}, append_action=OVERWRITE)
+
+
+def set_destination(response: Message, destinations: str) -> None:
+    """`envoy.lb` → `x-gateway-destination-endpoint` in the answer's dynamic metadata."""
+    lb = response.dynamic_metadata.fields[DESTINATION_NAMESPACE].struct_value
+    lb.fields[DESTINATION_KEY].string_value = destinations
 
 
 def destination_metadata(destinations: str) -> Message:
-    metadata = Struct()
-    metadata.fields[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION_KEY].CopyFrom(
-        Value(string_value=destinations)
-    )
-    return metadata
+    response = ProcessingResponse()
+    set_destination(response, destinations)
+    return response.dynamic_metadata
+
+
+def _route(
+    response: Message,
+    common: Message,
+    set_headers: Mapping[str, str],
+    remove_headers: Iterable[str],
+    destinations: str,
+) -> Message:
+    common.clear_route_cache = True
+    add_headers(common.header_mutation.set_headers, set_headers)
+    common.header_mutation.remove_headers.extend(remove_headers)
+    set_destination(response, destinations)
+    return response
 
 
 def request_headers_response(
     set_headers: Mapping[str, str], remove_headers: Iterable[str], destinations: str
 ) -> Message:
     """The answer to the request headers: where to send it, in a header and in metadata."""
-    return ProcessingResponse(
-        request_headers=HeadersResponse(
-            response=CommonResponse(
-                clear_route_cache=True,
-                header_mutation=HeaderMutation(
-                    set_headers=header_options(set_headers), remove_headers=list(remove_headers)
-                ),
-            )
-        ),
-        dynamic_metadata=destination_metadata(destinations),
-    )
+    response = ProcessingResponse()
+    common = response.request_headers.response
+    return _route(response, common, set_headers, remove_headers, destinations)
 
 
-def _streamed(body: bytes, end_of_stream: bool) -> Message:
-    return CommonResponse(
-        body_mutation=BodyMutation(
-            streamed_response=StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
-        )
-    )
+def buffered_body_response(
+    set_headers: Mapping[str, str],
+    remove_headers: Iterable[str],
+    destinations: str,
+    body: bytes | None,
+) -> Message:
+    """BUFFERED mode's answer to the whole body: the destination as in
+    `request_headers_response`, and the body only when it changed (`None`: unchanged)."""
+    response = ProcessingResponse()
+    common = response.request_body.response
+    if body is not None:
+        common.body_mutation.body = body
+    return _route(response, common, set_headers, remove_headers, destinations)
+
+
+def _body_chunk(direction: str, body: bytes, end_of_stream: bool) -> Message:
+    response = ProcessingResponse()
+    streamed = getattr(response, direction).response.body_mutation.streamed_response
+    streamed.body = body
+    streamed.end_of_stream = end_of_stream
+    return response
 
 
 def request_body_responses(body: bytes, end_of_stream: bool) -> list[Message]:
     """The body handed back in chunks; the last carries `end_of_stream` unless trailers follow."""
     if not body:
-        return [
-            ProcessingResponse(request_body=BodyResponse(response=_streamed(b"", end_of_stream)))
-        ]
+        return [_body_chunk("request_body", b"", end_of_stream)]
     out = []
     for start in range(0, len(body), BODY_CHUNK_BYTES):
         chunk = body[start : start + BODY_CHUNK_BYTES]
         last = start + BODY_CHUNK_BYTES >= len(body)
-        out.append(
-            ProcessingResponse(
-                request_body=BodyResponse(response=_streamed(chunk, end_of_stream and last))
-            )
-        )
+        out.append(_body_chunk("request_body", chunk, end_of_stream and last))
     return out
 
 
 def response_headers_response(set_headers: Mapping[str, str]) -> Message:
-    mutation = HeaderMutation(set_headers=header_options(set_headers))
-    return ProcessingResponse(
-        response_headers=HeadersResponse(response=CommonResponse(header_mutation=mutation))
-    )
+    response = ProcessingResponse()
+    add_headers(response.response_headers.response.header_mutation.set_headers, set_headers)
+    return response
 
 
 def response_body_response(body: bytes, end_of_stream: bool) -> Message:
-    return ProcessingResponse(response_body=BodyResponse(response=_streamed(body, end_of_stream)))
+    return _body_chunk("response_body", body, end_of_stream)
 
 
-def request_trailers_response() -> Message:
-    return ProcessingResponse(request_trailers=TrailersResponse())
-
-
-def response_trailers_response() -> Message:
-    return ProcessingResponse(response_trailers=TrailersResponse())
+CONTINUE_REQUEST_HEADERS: Message = ProcessingResponse(request_headers=HeadersResponse())
+"""BUFFERED mode's answer to the request headers: go on and send the body. Shared: never
+mutate the answers built once."""
+REQUEST_TRAILERS_ANSWER: Message = ProcessingResponse(request_trailers=TrailersResponse())
+RESPONSE_TRAILERS_ANSWER: Message = ProcessingResponse(response_trailers=TrailersResponse())
 
 
 def immediate_response(status: int, headers: Mapping[str, str], body: bytes) -> Message:
     """Answer the client directly (400/401/404/413/429/503): Envoy sends no request upstream."""
-    return ProcessingResponse(
-        immediate_response=ImmediateResponse(
-            status=HttpStatus(code=status),
-            headers=HeaderMutation(set_headers=header_options(headers)),
-            body=body,
-        )
-    )
+    response = ProcessingResponse()
+    immediate = response.immediate_response
+    immediate.status.code = status
+    add_headers(immediate.headers.set_headers, headers)
+    immediate.body = body
+    return response

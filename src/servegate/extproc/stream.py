@@ -1,11 +1,13 @@
 """One HTTP request as Envoy streams it to the picker, from its headers to its last response byte.
 
-Request path (FULL_DUPLEX_STREAMED): the headers and body chunks are held until
+Request path, FULL_DUPLEX_STREAMED: the headers and body chunks are held until
 the body is complete (its `end_of_stream`, or the request trailers), then the
 picker answers in order — the headers response (destination header, `envoy.lb`
 metadata, route cache cleared), the body in chunks, the trailers response when
-trailers came. A request that cannot be routed gets an `ImmediateResponse`
-instead and the stream ends.
+trailers came. BUFFERED: the headers are answered at once with `CONTINUE`; the
+one body message is answered with the destination (and the body, only when the
+model was rewritten in it). A request that cannot be routed gets an
+`ImmediateResponse` instead and the stream ends.
 
 Routing is the `Director`'s (`control/director.py`), exactly as in HTTP mode: this
 module is the adapter that reads Envoy's messages and writes the Director's answer
@@ -13,6 +15,8 @@ back as header mutations.
 
 Response path: headers, body chunks and trailers are answered one for one and
 at once (bodies unchanged); usage is read on the side for the token metrics.
+With response body mode NONE the response headers are the last message: the
+request is complete once they are answered (no usage, no time to first byte).
 The request's lease (its in-flight count, taken on the primary endpoint) moves to
 the endpoint the proxy reports as the server, and is released at the end of the
 response or when the stream breaks off, whichever comes first.
@@ -27,19 +31,22 @@ from enum import Enum
 from servegate.control.context import RequestContext
 from servegate.extproc.picker import Routed, envoy_route, pick_any
 from servegate.extproc.protocol import (
+    CONTINUE_REQUEST_HEADERS,
     DESTINATION_KEY,
+    FULL_DUPLEX_MODES,
+    REQUEST_TRAILERS_ANSWER,
+    RESPONSE_TRAILERS_ANSWER,
     Message,
     ProtocolMismatch,
-    check_mode,
+    buffered_body_response,
     headers_of,
     immediate_response,
     kind_of,
+    read_modes,
     request_body_responses,
     request_headers_response,
-    request_trailers_response,
     response_body_response,
     response_headers_response,
-    response_trailers_response,
     served_endpoint,
     subset_hint,
 )
@@ -77,6 +84,9 @@ class Phase(Enum):
     DONE = "done"
 
 
+REMOVED_HEADERS = tuple(sorted(ROUTING_HEADERS))
+
+
 def request_id(headers: dict[str, str]) -> str:
     rid = headers.get("x-request-id")
     if rid and len(rid) <= 128 and rid.isprintable():
@@ -99,6 +109,7 @@ class ExtProcStream:
         self.finished = False
         self.ctx: RequestContext | None = None
         self.routed: Routed | None = None
+        self.modes = FULL_DUPLEX_MODES
         self._path = ""
         self._subset: tuple[str, ...] | None = None
         self._body = bytearray()
@@ -128,13 +139,13 @@ class ExtProcStream:
             return self._on_response_body(request)
         if kind == "response_trailers":
             self._finish()
-            return [response_trailers_response()]
+            return [RESPONSE_TRAILERS_ANSWER]
         return []
 
     # -- request path --------------------------------------------------------------------
 
     def _on_request_headers(self, request: Message) -> list[Message]:
-        check_mode(request)
+        self.modes = read_modes(request)
         message = request.request_headers
         all_headers = headers_of(message.headers)
         self._path = all_headers.get(":path", "").split("?", 1)[0]
@@ -145,6 +156,8 @@ class ExtProcStream:
         )
         if message.end_of_stream:
             return self._route_any(b"", body_sent=False, end_of_stream=True)
+        if self.modes.buffered_request:
+            return [CONTINUE_REQUEST_HEADERS]
         return []
 
     async def _on_request_body(self, request: Message) -> list[Message]:
@@ -154,28 +167,34 @@ class ExtProcStream:
             raise ProtocolMismatch("a request body arrived before the request headers")
         chunk = request.request_body
         self._body_seen = True
-        self._body += chunk.body
+        whole = chunk.end_of_stream or self.modes.buffered_request
+        if whole and not self._body:
+            body: bytes = chunk.body  # the usual case: no copy
+        else:
+            self._body += chunk.body
+            body = bytes(self._body) if whole else b""
         limit = self.ctx.snapshot.config.gateway.max_body_bytes
-        if len(self._body) > limit:
+        if max(len(body), len(self._body)) > limit:
             return [self._reject(BodyTooLarge(f"request body exceeds the limit of {limit} bytes"))]
-        if not chunk.end_of_stream:
+        if not whole:
             return []
-        return await self._route(body_sent=True, end_of_stream=True)
+        self._body = bytearray()
+        return await self._route(body, body_sent=True, end_of_stream=chunk.end_of_stream)
 
     async def _on_request_trailers(self) -> list[Message]:
         if self.phase is not Phase.REQUEST:
-            return [request_trailers_response()]
-        out = await self._route(body_sent=self._body_seen, end_of_stream=False)
+            return [REQUEST_TRAILERS_ANSWER]
+        body = bytes(self._body)
+        self._body = bytearray()
+        out = await self._route(body, body_sent=self._body_seen, end_of_stream=False)
         if not self.finished:
-            out.append(request_trailers_response())
+            out.append(REQUEST_TRAILERS_ANSWER)
         return out
 
-    async def _route(self, body_sent: bool, end_of_stream: bool) -> list[Message]:
+    async def _route(self, body: bytes, body_sent: bool, end_of_stream: bool) -> list[Message]:
         ctx = self.ctx
         if ctx is None:
             raise ProtocolMismatch("the request ended before its headers arrived")
-        body = bytes(self._body)
-        self._body = bytearray()
         kind = kind_for(self._path, bool(body))
         if kind is None:
             return self._route_any(body, body_sent, end_of_stream)
@@ -197,7 +216,10 @@ class ExtProcStream:
             DESTINATION_KEY: routed.destinations,
             "x-request-id": ctx.request_id,
         }
-        return self._forward(routed.destinations, set_headers, ctx.body, body_sent, end_of_stream)
+        changed = ctx.body is not body
+        return self._forward(
+            routed.destinations, set_headers, ctx.body, body_sent, end_of_stream, changed
+        )
 
     def _route_any(self, body: bytes, body_sent: bool, end_of_stream: bool) -> list[Message]:
         ctx = self.ctx
@@ -210,7 +232,7 @@ class ExtProcStream:
             return [self._reject(exc)]
         ctx.record.endpoint = state.address
         set_headers = {DESTINATION_KEY: state.address, "x-request-id": ctx.request_id}
-        return self._forward(state.address, set_headers, body, body_sent, end_of_stream)
+        return self._forward(state.address, set_headers, body, body_sent, end_of_stream, False)
 
     def _forward(
         self,
@@ -219,15 +241,22 @@ class ExtProcStream:
         body: bytes,
         body_sent: bool,
         end_of_stream: bool,
+        changed: bool,
     ) -> list[Message]:
-        if body:
+        """The routing answer; in BUFFERED mode the body goes back only when `changed`."""
+        buffered = body_sent and self.modes.buffered_request
+        if body and (changed or not buffered):
             set_headers["content-length"] = str(len(body))
-        remove = [h for h in sorted(ROUTING_HEADERS) if h not in set_headers]
+        remove = [h for h in REMOVED_HEADERS if h not in set_headers]
         ctx = self.ctx
         if ctx is not None and ctx.snapshot.tenants.enabled:
             remove.append("authorization")
         self.phase = Phase.UPSTREAM
-        out = [request_headers_response(set_headers, remove, destinations)]
+        if buffered:
+            return [
+                buffered_body_response(set_headers, remove, destinations, body if changed else None)
+            ]
+        out: list[Message] = [request_headers_response(set_headers, remove, destinations)]
         if body_sent:
             out.extend(request_body_responses(body, end_of_stream))
         return out
@@ -255,11 +284,12 @@ class ExtProcStream:
             status = 0
         self._settle(served_endpoint(request))
         self._passive_health(status)
-        self._tap = UsageTap("text/event-stream" in headers.get("content-type", ""))
+        if self.modes.response_body:
+            self._tap = UsageTap("text/event-stream" in headers.get("content-type", ""))
         out_headers = self._response_headers()
         if self.ctx is not None:
             self.ctx.record.status = status
-        if message.end_of_stream:
+        if message.end_of_stream or not self.modes.response_body:
             self._finish()
         return [response_headers_response(out_headers)]
 
