@@ -11,16 +11,25 @@ accounting would, so scores do not stay frozen.
 
 `--exhaustive` adds a row per configuration with the shortlist turned off (every
 candidate scored), the way one decision cost before pools were shortlisted.
+`--against DIR` times another checkout's scheduler (DIR/src) side by side: each
+row runs in a fresh process per checkout, alternating, `--rounds` times.
+
+    .venv/bin/python bench/bench_scheduler.py --endpoints 2,8,100,1000 --n 3000 \
+        --against /path/to/other/checkout --clock cpu
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 from servegate.pool.endpoint import LoraInfo, Role
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
@@ -118,6 +127,37 @@ def run(
     return samples
 
 
+def _quantiles(samples: list[float]) -> tuple[float, float, float, float]:
+    q = statistics.quantiles(sorted(samples), n=100)
+    return q[49], q[89], q[98], statistics.fmean(samples)
+
+
+def _in_process(
+    src: Path, label: str, size: int, args: argparse.Namespace, exhaustive: bool
+) -> tuple[float, float, float, float]:
+    """One row timed in a fresh interpreter that imports servegate from `src`."""
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        label,
+        "--endpoints",
+        str(size),
+        "--n",
+        str(args.n),
+        "--seed",
+        str(args.seed),
+        "--clock",
+        args.clock,
+    ]
+    if exhaustive:
+        cmd.append("--exhaustive")
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    p50, p90, p99, mean = json.loads(out)
+    return p50, p90, p99, mean
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=20_000, help="decisions per configuration")
@@ -135,28 +175,69 @@ def main(argv: list[str] | None = None) -> int:
         default="wall",
         help="cpu: this thread's CPU time (steadier on a shared, busy machine)",
     )
+    parser.add_argument(
+        "--against", type=Path, help="another checkout to time side by side (its src/)"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="alternations with --against")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = [int(x) for x in str(args.endpoints).split(",")]
+    if args.worker:
+        config, lora = CONFIGS[args.worker]
+        samples = run(config, lora, args.n, sizes[0], args.seed, args.exhaustive, args.clock)
+        print(json.dumps(_quantiles(samples)))
+        return 0
     print(
         f"python {platform.python_version()} on {platform.machine()}; "
         f"{args.n} decisions each, 8k-token prompt, {args.clock} clock"
     )
     modes = [False, True] if args.exhaustive else [False]
     p50: dict[str, list[float]] = {}
-    for size in sizes:
-        for label, (config, lora) in CONFIGS.items():
-            for exhaustive in modes:
-                row = f"{label}{' exhaustive' if exhaustive else ''}"
-                samples = sorted(run(config, lora, args.n, size, args.seed, exhaustive, args.clock))
-                q = statistics.quantiles(samples, n=100)
-                p50.setdefault(row, []).append(q[49])
-                print(
-                    f"{size:5d} ep  {row:57s} p50 {q[49]:7.1f} µs   p90 {q[89]:7.1f} µs"
-                    f"   p99 {q[98]:7.1f} µs   mean {statistics.fmean(samples):7.1f} µs"
-                )
+    if args.against is not None:
+        _compare(args, sizes, modes, p50)
+    else:
+        for size in sizes:
+            for label, (config, lora) in CONFIGS.items():
+                for exhaustive in modes:
+                    row = f"{label}{' exhaustive' if exhaustive else ''}"
+                    samples = run(config, lora, args.n, size, args.seed, exhaustive, args.clock)
+                    q50, q90, q99, mean = _quantiles(samples)
+                    p50.setdefault(row, []).append(q50)
+                    print(
+                        f"{size:5d} ep  {row:57s} p50 {q50:7.1f} µs   p90 {q90:7.1f} µs"
+                        f"   p99 {q99:7.1f} µs   mean {mean:7.1f} µs"
+                    )
     if args.plot:
         _plot(args.plot, sizes, p50)
     return 0
+
+
+def _compare(
+    args: argparse.Namespace, sizes: list[int], modes: list[bool], p50: dict[str, list[float]]
+) -> None:
+    """Each row in both checkouts, alternating; p50s per round and their medians' ratio."""
+    here = Path(__file__).resolve().parent.parent / "src"
+    there = args.against.resolve() / "src"
+    print(f"this checkout: {here}\nagainst:       {there}  ({args.rounds} rounds)")
+    for size in sizes:
+        for label in CONFIGS:
+            for exhaustive in modes:
+                row = f"{label}{' exhaustive' if exhaustive else ''}"
+                ours: list[float] = []
+                theirs: list[float] = []
+                for _ in range(args.rounds):
+                    theirs.append(_in_process(there, label, size, args, exhaustive)[0])
+                    ours.append(_in_process(here, label, size, args, exhaustive)[0])
+                a, b = statistics.median(theirs), statistics.median(ours)
+                p50.setdefault(f"{row} (against)", []).append(a)
+                p50.setdefault(row, []).append(b)
+                print(
+                    f"{size:5d} ep  {row:57s} p50 against "
+                    + " / ".join(f"{x:6.1f}" for x in theirs)
+                    + " µs, this "
+                    + " / ".join(f"{x:6.1f}" for x in ours)
+                    + f" µs   this ÷ against {b / a:.2f}"
+                )
 
 
 def _plot(path: str, sizes: list[int], p50: dict[str, list[float]]) -> None:
@@ -168,7 +249,11 @@ def _plot(path: str, sizes: list[int], p50: dict[str, list[float]]) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for row, values in p50.items():
         ax.plot(
-            sizes, values, marker="o", linestyle="--" if "exhaustive" in row else "-", label=row
+            sizes,
+            values,
+            marker="o",
+            linestyle="--" if "exhaustive" in row or "against" in row else "-",
+            label=row,
         )
     ax.axhline(100, color="grey", linewidth=0.8, linestyle=":")
     ax.set_xlabel("endpoints in the pool")

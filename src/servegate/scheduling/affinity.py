@@ -176,7 +176,7 @@ class PrefixCacheAffinityFilter:
             return endpoints
         scores = prefix_scores(cycle, self.prefix, request, endpoints)
         threshold = p.affinity_threshold
-        if not any(score >= threshold for score in scores):
+        if max(scores) < threshold:
             self._count("no-match")
             return endpoints
         sticky: list[EndpointState] = []
@@ -309,8 +309,9 @@ class NoHitLRUScorer:
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
     ) -> Sequence[float]:
         n = len(endpoints)
-        cold = self.prefix is None or not any(
-            s > 0.0 for s in prefix_scores(cycle, self.prefix, request, endpoints)
+        cold = (
+            self.prefix is None
+            or max(prefix_scores(cycle, self.prefix, request, endpoints), default=0.0) <= 0.0
         )
         request.cache[self._state_key] = cold
         if not cold:

@@ -168,6 +168,10 @@ class ApproxPrefixIndex:
             i, stride = max(0, i - stride), stride * 2
         return list(out)
 
+    def holds(self, key: int) -> bool:
+        """Whether any endpoint holds block `key`."""
+        return bool(self._where.get(key))
+
     def match_lengths(self, keys: Sequence[int], addresses: Sequence[str]) -> dict[str, int]:
         """Leading blocks of `keys` each address holds."""
         matched = dict.fromkeys(addresses, 0)
@@ -303,9 +307,13 @@ class PrefixCacheScorer:
         keys = self.block_keys(request)
         if not keys:
             return [0.0] * len(endpoints)
-        matched = self.index.match_lengths(keys, [e.address for e in endpoints])
-        total = len(keys)
-        scores = [matched[e.address] / total for e in endpoints]
+        if self.index.holds(keys[0]):
+            addresses = [e.endpoint.address for e in endpoints]
+            matched = self.index.match_lengths(keys, addresses)
+            total = len(keys)
+            scores = [matched[a] / total for a in addresses]
+        else:  # nobody holds the first block: nothing matches (no pass over the endpoints)
+            scores = [0.0] * len(endpoints)
         if self.params.cold_placement == "hash" and endpoints and not any(scores):
             first = keys[0].to_bytes(8, "little", signed=False)
             ranks = [xxhash.xxh3_64_intdigest(first + e.address.encode()) for e in endpoints]

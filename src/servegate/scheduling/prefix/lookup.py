@@ -106,18 +106,54 @@ def find_prefix_scorer(
     )
 
 
+class CycleMatch:
+    """One prefix scorer's scores in one cycle, shared by every plugin that reads them.
+
+    The affinity filter, the scorer itself and `no-hit-lru-scorer` all ask for the same
+    match, usually over the very list the first of them was given (the filter passes its
+    input on unchanged when nothing is sticky); that list gets its scores back as they
+    are. Any other list is answered address by address from what was scored so far.
+    """
+
+    __slots__ = ("_by_address", "endpoints", "scores", "size")
+
+    def __init__(self, endpoints: list[EndpointState], scores: Sequence[float]) -> None:
+        self.endpoints = endpoints
+        self.size = len(endpoints)
+        self.scores = scores
+        self._by_address: dict[str, float] | None = None
+
+    def same_list(self, endpoints: list[EndpointState]) -> bool:
+        return endpoints is self.endpoints and len(endpoints) == self.size
+
+    def by_address(self) -> dict[str, float]:
+        """address → score of every endpoint scored this cycle."""
+        known = self._by_address
+        if known is None:
+            addresses = [s.endpoint.address for s in self.endpoints]
+            known = self._by_address = dict(zip(addresses, self.scores, strict=True))
+        return known
+
+
+def _match_key(name: str) -> str:
+    return f"prefix-scores/{name}"
+
+
 def already_scored(
     cycle: CycleState, name: str, endpoints: list[EndpointState]
-) -> list[float] | None:
+) -> Sequence[float] | None:
     """The scores `prefix_scores` already computed this cycle for scorer `name`, when it
     covered every one of `endpoints` (a filter asked first: the scorer need not match the
     prompt again); else None."""
-    cached: dict[str, float] | None = cycle.data.get(f"prefix-scores/{name}")
-    if cached is None:
+    shared: CycleMatch | None = cycle.data.get(_match_key(name))
+    if shared is None:
         return None
+    if shared.same_list(endpoints):
+        return shared.scores
+    known = shared.by_address()
     out: list[float] = []
     for state in endpoints:
-        score = cached.get(state.endpoint.address)
+        score = known.get(state.endpoint.address)
         if score is None:
             return None
         out.append(score)
@@ -127,18 +163,21 @@ def already_scored(
 def prefix_scores(
     cycle: CycleState, scorer: Scorer, request: LLMRequest, endpoints: list[EndpointState]
 ) -> Sequence[float]:
-    """`scorer`'s scores for `endpoints`, computed once per cycle and shared."""
-    key = f"prefix-scores/{scorer.name}"
-    cached: dict[str, float] | None = cycle.data.get(key)
-    if cached is None:
+    """`scorer`'s scores for `endpoints`, computed once per cycle and shared (read-only)."""
+    key = _match_key(scorer.name)
+    shared: CycleMatch | None = cycle.data.get(key)
+    if shared is None:
         scores = scorer.score(cycle, request, endpoints)
-        cycle.data[key] = dict(zip([s.address for s in endpoints], scores, strict=True))
+        cycle.data[key] = CycleMatch(endpoints, scores)
         return scores
-    missing = [s for s in endpoints if s.address not in cached]
+    if shared.same_list(endpoints):
+        return shared.scores
+    known = shared.by_address()
+    missing = [s for s in endpoints if s.endpoint.address not in known]
     if missing:
         fresh = scorer.score(cycle, request, missing)
-        cached.update(zip([s.address for s in missing], fresh, strict=True))
-    return [cached[s.address] for s in endpoints]
+        known.update(zip([s.endpoint.address for s in missing], fresh, strict=True))
+    return [known[s.endpoint.address] for s in endpoints]
 
 
 def find_prefix_producer(
