@@ -320,12 +320,12 @@ class NoHitLRUScorer:
             return [1.0]
         position = self.placements.position()
         order = [position.get(s.endpoint.address, -1) for s in endpoints]
-        ranked = sorted(range(n), key=order.__getitem__)  # stable: never-given first, in order
         step = 1.0 / (n - 1)
-        scores = [0.0] * n
-        for rank, i in enumerate(ranked):
-            scores[i] = 1.0 - rank * step
-        return scores
+        if max(order) < 0:  # none given a cold request yet: candidate order is the rank
+            return [1.0 - rank * step for rank in range(n)]
+        ranked = sorted(range(n), key=order.__getitem__)  # stable: never-given first, in order
+        rank_of = sorted(range(n), key=ranked.__getitem__)
+        return [1.0 - rank * step for rank in rank_of]
 
     def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None:
         if not request.cache.pop(self._state_key, False):

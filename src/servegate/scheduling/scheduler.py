@@ -265,8 +265,8 @@ def add_weighted(totals: list[float] | None, raw: Sequence[float], w: float) -> 
     one value: the same sums, without clamping each element.
     """
     n = len(raw)
-    if n and raw.count(raw[0]) == n:
-        x = raw[0]
+    x = raw[0] if n else 0.0
+    if n and (x is raw[-1] or x == raw[-1]) and raw.count(x) == n:
         c = w if x >= 1.0 else (w * x if x > 0.0 else 0.0)
         if totals is None:
             return [c] * n
@@ -518,9 +518,9 @@ class Scheduler:
                     i = index.get(address)
                     if i is not None:
                         picked.add(i)
-        picked.update(i % n for i in spread_sample(cycle.rng, n, self.sample_size))
+        picked.update(map(n.__rmod__, spread_sample(cycle.rng, n, self.sample_size)))
         self.stats.shortlisted += 1
-        return [endpoints[i] for i in sorted(picked)]
+        return list(map(endpoints.__getitem__, sorted(picked)))
 
     def _address_index(self, endpoints: list[EndpointState]) -> dict[str, int]:
         """address → position, remembered for the last list seen (the pool hands out one
