@@ -110,21 +110,23 @@ class CycleMatch:
     """One prefix scorer's scores in one cycle, shared by every plugin that reads them.
 
     The affinity filter, the scorer itself and `no-hit-lru-scorer` all ask for the same
-    match, usually over the very list the first of them was given (the filter passes its
-    input on unchanged when nothing is sticky); that list gets its scores back as they
-    are. Any other list is answered address by address from what was scored so far.
+    match, usually over the same endpoints the first of them was given (the filter passes
+    its input on unchanged when nothing is sticky); those get the scores back as they
+    are, after one comparison of the lists (by identity of their elements, in C). Any
+    other list is answered address by address from what was scored so far.
     """
 
-    __slots__ = ("_by_address", "endpoints", "scores", "size")
+    __slots__ = ("_by_address", "endpoints", "scores")
 
     def __init__(self, endpoints: list[EndpointState], scores: Sequence[float]) -> None:
-        self.endpoints = endpoints
-        self.size = len(endpoints)
+        self.endpoints = list(endpoints)
         self.scores = scores
         self._by_address: dict[str, float] | None = None
 
     def same_list(self, endpoints: list[EndpointState]) -> bool:
-        return endpoints is self.endpoints and len(endpoints) == self.size
+        """Whether `endpoints` are the endpoints scored, in the same order
+        (`EndpointState` compares by identity)."""
+        return endpoints == self.endpoints
 
     def by_address(self) -> dict[str, float]:
         """address → score of every endpoint scored this cycle."""
