@@ -245,18 +245,25 @@ class LoraAffinityScorer(ParameterlessPlugin):
         if not adapter:
             return [1.0] * len(endpoints)
         out: list[float] = []
+        append = out.append
         for s in endpoints:
             info = s.metrics.lora
             if info is None:
-                out.append(0.8 if adapter in s.served_models or len(s.served_models) > 1 else 0.0)
-            elif adapter in info.running:
-                out.append(1.0)
-            elif len(info.running | info.waiting) < info.max_lora:
-                out.append(0.8)
-            elif adapter in info.waiting:
-                out.append(0.6)
+                append(0.8 if adapter in s.served_models or len(s.served_models) > 1 else 0.0)
+                continue
+            running, waiting = info.running, info.waiting
+            if adapter in running:
+                append(1.0)
+                continue
+            used = len(running) + len(waiting)
+            if used >= info.max_lora and running and waiting:
+                used = len(running | waiting)  # an adapter both running and waiting counts once
+            if used < info.max_lora:
+                append(0.8)
+            elif adapter in waiting:
+                append(0.6)
             else:
-                out.append(0.0)
+                append(0.0)
         return out
 
 
