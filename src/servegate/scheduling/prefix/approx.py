@@ -84,17 +84,6 @@ class ServerLRU:
         self.capacity = capacity
         self.keys: OrderedDict[int, None] = OrderedDict()
 
-    def add(self, key: int) -> int | None:
-        """Insert or refresh `key`; return the evicted key, if any."""
-        keys = self.keys
-        if key in keys:
-            keys.move_to_end(key)
-            return None
-        keys[key] = None
-        if len(keys) > self.capacity:
-            return keys.popitem(last=False)[0]
-        return None
-
 
 class ApproxPrefixIndex:
     """Per-endpoint LRUs plus a reverse map key → endpoints, for one pass per prompt."""
@@ -114,14 +103,20 @@ class ApproxPrefixIndex:
         elif capacity is not None:
             lru.capacity = capacity
         where = self._where
+        held = lru.keys
+        refresh = held.move_to_end
         for key in keys:
+            if key in held:
+                refresh(key)  # held already, so `where` names this address for it
+                continue
+            held[key] = None
             holders = where.get(key)
             if holders is None:
                 where[key] = {address}
             else:
                 holders.add(address)
-            evicted = lru.add(key)
-            if evicted is not None:
+            if len(held) > lru.capacity:
+                evicted = held.popitem(last=False)[0]
                 gone = where.get(evicted)
                 if gone is not None:
                     gone.discard(address)
