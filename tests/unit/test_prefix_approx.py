@@ -1,4 +1,6 @@
 import random
+from collections import OrderedDict
+from itertools import takewhile
 
 import pytest
 
@@ -94,6 +96,33 @@ def test_index_match_lengths_are_leading_runs() -> None:
         "c": 0,
         "d": 0,
     }
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_match_lengths_follow_each_replicas_lru(seed: int) -> None:
+    """Random chains sharing prefixes, recorded on random replicas with small LRUs (so
+    blocks are evicted from the middle of chains too): each replica's match is the run
+    of leading blocks its own LRU, modelled here one replica at a time, still holds."""
+    rng = random.Random(seed)
+    capacity = rng.randint(8, 40)
+    index = ApproxPrefixIndex(capacity)
+    model: dict[str, OrderedDict[int, None]] = {}
+    stems = [[rng.getrandbits(64) for _ in range(rng.randint(1, 20))] for _ in range(4)]
+    chains = [[*rng.choice(stems)[: rng.randint(1, 20)], rng.getrandbits(64)] for _ in range(30)]
+    addresses = [f"r{i}" for i in range(12)]
+    for _ in range(200):
+        address, chain = rng.choice(addresses), rng.choice(chains)
+        index.insert(address, chain)
+        lru = model.setdefault(address, OrderedDict())
+        for key in chain:
+            lru.pop(key, None)
+            lru[key] = None
+            while len(lru) > capacity:
+                lru.popitem(last=False)
+    for chain in chains:
+        asked = rng.sample(addresses, rng.randint(1, len(addresses)))
+        expected = {a: len(list(takewhile(model.get(a, {}).__contains__, chain))) for a in asked}
+        assert index.match_lengths(chain, asked) == expected
 
 
 def test_index_eviction_updates_reverse_map() -> None:

@@ -168,20 +168,31 @@ class ApproxPrefixIndex:
         return bool(self._where.get(key))
 
     def match_lengths(self, keys: Sequence[int], addresses: Sequence[str]) -> dict[str, int]:
-        """Leading blocks of `keys` each address holds."""
+        """Leading blocks of `keys` each address holds.
+
+        One set operation per block while the holders stay the same (a subset check, in
+        C); addresses are written out only when they drop off or at the end.
+        """
         matched = dict.fromkeys(addresses, 0)
-        alive = set(addresses)
         where = self._where
-        for i, key in enumerate(keys):
+        if not keys:
+            return matched
+        alive = set(addresses).intersection(where.get(keys[0], ()))
+        depth = 1
+        for key in keys[1:]:
+            if not alive:
+                break
             holders = where.get(key)
-            if not holders:
+            if holders is None:
                 break
-            still = alive & holders
-            if not still:
-                break
-            for address in still:
-                matched[address] = i + 1
-            alive = still
+            if not alive <= holders:
+                still = alive & holders
+                for address in alive - still:
+                    matched[address] = depth
+                alive = still
+            depth += 1
+        for address in alive:
+            matched[address] = depth
         return matched
 
 
