@@ -2,6 +2,8 @@
 
 100 endpoints with random metrics, an 8k-token prompt, N decisions per
 configuration; prints p50/p90/p99 microseconds per `Scheduler.schedule` call.
+The prompt is new to the pool (no replica holds it), or, in the `held` row, recorded
+on 3 replicas first, as the default profile mostly sees it (sticky routing).
 Between decisions the chosen endpoint's in-flight count moves, as the gateway's
 accounting would, so scores do not stay frozen.
 
@@ -34,7 +36,7 @@ from pathlib import Path
 from servegate.pool.endpoint import LoraInfo, Role
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
 from servegate.scheduling.factory import PluginContext
-from servegate.scheduling.framework import CycleState
+from servegate.scheduling.framework import CycleState, Decision
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.testing.endpoints import random_endpoint_states
 
@@ -67,9 +69,11 @@ schedulingProfiles:
 """
 
 CONFIGS = {
-    "default (servegate default profile)": (DEFAULT_PICKER_CONFIG, None),
-    "heavy (2 filters, 5 scorers, LoRA request)": (HEAVY_PICKER_CONFIG, "a3"),
+    "default (servegate default profile)": (DEFAULT_PICKER_CONFIG, None, 0),
+    "default, prompt held by 3 replicas": (DEFAULT_PICKER_CONFIG, None, 3),
+    "heavy (2 filters, 5 scorers, LoRA request)": (HEAVY_PICKER_CONFIG, "a3", 0),
 }
+"""label → (picker config, LoRA adapter of the request, replicas that hold its prompt)."""
 
 
 def _request(lora: str | None) -> LLMRequest:
@@ -97,6 +101,7 @@ def run(
     seed: int,
     exhaustive: bool = False,
     clock: str = "wall",
+    warm: int = 0,
 ) -> list[float]:
     rng = random.Random(seed)
     scheduler = load_picker_config(config, PluginContext(staleness_s=2.0))
@@ -109,6 +114,8 @@ def run(
         running = frozenset(rng.sample(["a1", "a2", "a3", "a4"], rng.randint(0, 2)))
         s.metrics.lora = LoraInfo(max_lora=2, running=running)
     request = _request(lora)
+    for state in rng.sample(states, warm):  # as if earlier requests had been routed there
+        scheduler.pre_request(request, Decision(endpoint=state, fallbacks=[]), now=99.0)
     cycle_rng = random.Random(seed + 1)
     perf = time.perf_counter_ns if clock == "wall" else time.thread_time_ns
     samples: list[float] = []
@@ -183,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = [int(x) for x in str(args.endpoints).split(",")]
     if args.worker:
-        config, lora = CONFIGS[args.worker]
-        samples = run(config, lora, args.n, sizes[0], args.seed, args.exhaustive, args.clock)
+        config, lora, warm = CONFIGS[args.worker]
+        samples = run(config, lora, args.n, sizes[0], args.seed, args.exhaustive, args.clock, warm)
         print(json.dumps(_quantiles(samples)))
         return 0
     print(
@@ -197,10 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         _compare(args, sizes, modes, p50)
     else:
         for size in sizes:
-            for label, (config, lora) in CONFIGS.items():
+            for label, (config, lora, warm) in CONFIGS.items():
                 for exhaustive in modes:
                     row = f"{label}{' exhaustive' if exhaustive else ''}"
-                    samples = run(config, lora, args.n, size, args.seed, exhaustive, args.clock)
+                    samples = run(
+                        config, lora, args.n, size, args.seed, exhaustive, args.clock, warm
+                    )
                     q50, q90, q99, mean = _quantiles(samples)
                     p50.setdefault(row, []).append(q50)
                     print(

@@ -161,9 +161,6 @@ class PrefixCacheAffinityFilter:
     def _count(self, outcome: str) -> None:
         self.decisions[outcome] = self.decisions.get(outcome, 0) + 1
 
-    def _ttft_ms(self, state: EndpointState) -> float:
-        return state.in_flight_tokens / self.params.peak_prefill_throughput * 1000.0
-
     def filter(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
     ) -> list[EndpointState]:
@@ -181,33 +178,53 @@ class PrefixCacheAffinityFilter:
             return endpoints
         sticky: list[EndpointState] = []
         others: list[EndpointState] = []
+        sticky_scores: list[float] = []
+        other_scores: list[float] = []
         for state, score in zip(endpoints, scores, strict=True):
-            (sticky if score >= threshold else others).append(state)
-        if p.max_tokens_in_flight_penalty > 0 and others:
-            least_sticky_tokens = min(s.in_flight_tokens for s in sticky)
-            least_other_tokens = min(s.in_flight_tokens for s in others)
+            if score >= threshold:
+                sticky.append(state)
+                sticky_scores.append(score)
+            else:
+                others.append(state)
+                other_scores.append(score)
+        if not others:
+            self._count("sticky")
+            return sticky
+        # min over x / throughput · 1000 is that of the least x: the scaling is monotonic
+        if p.max_tokens_in_flight_penalty > 0:
+            least_sticky_tokens = min([s.in_flight_tokens for s in sticky])
+            least_other_tokens = min([s.in_flight_tokens for s in others])
             if least_sticky_tokens - least_other_tokens > p.max_tokens_in_flight_penalty:
                 self._count("token-load-override")
                 return endpoints
-        if p.max_ttft_penalty_ms > 0 and others:
-            best_sticky = min(self._ttft_ms(s) for s in sticky)
-            best_other = min(self._ttft_ms(s) for s in others)
+        throughput = p.peak_prefill_throughput
+        if p.max_ttft_penalty_ms > 0:
+            best_sticky = min([s.in_flight_tokens for s in sticky]) / throughput * 1000.0
+            best_other = min([s.in_flight_tokens for s in others]) / throughput * 1000.0
             if best_sticky - best_other > p.max_ttft_penalty_ms:
                 self._count("load-override")
                 return endpoints
-        if p.max_in_flight_requests_delta > 0 and others:
+        if p.max_in_flight_requests_delta > 0:
             prompt = request.prompt_tokens
-            score_of = {s.address: x for s, x in zip(endpoints, scores, strict=True)}
-
-            def request_ttft(state: EndpointState) -> float:
-                uncached = (1.0 - min(1.0, score_of[state.address])) * prompt
-                return self._ttft_ms(state) + uncached / p.peak_prefill_throughput * 1000.0
-
-            best = min(request_ttft(s) for s in sticky)
-            within = [s for s in others if request_ttft(s) - best <= p.max_ttft_penalty_ms]
+            # TTFT = queued tokens, then the prompt's uncached part, at the prefill rate
+            best = min(
+                [
+                    s.in_flight_tokens / throughput * 1000.0
+                    + (1.0 - (x if x < 1.0 else 1.0)) * prompt / throughput * 1000.0
+                    for s, x in zip(sticky, sticky_scores, strict=True)
+                ]
+            )
+            within = [
+                s
+                for s, x in zip(others, other_scores, strict=True)
+                if s.in_flight_tokens / throughput * 1000.0
+                + (1.0 - (x if x < 1.0 else 1.0)) * prompt / throughput * 1000.0
+                - best
+                <= p.max_ttft_penalty_ms
+            ]
             if within:
-                least_sticky = min(s.in_flight_requests for s in sticky)
-                least_within = min(s.in_flight_requests for s in within)
+                least_sticky = min([s.in_flight_requests for s in sticky])
+                least_within = min([s.in_flight_requests for s in within])
                 if least_sticky - least_within > p.max_in_flight_requests_delta:
                     self._count("request-load-override")
                     return [*sticky, *within]

@@ -455,8 +455,8 @@ class Scheduler:
                 endpoints = flt.filter(cycle, request, endpoints)
             if step.prefers:
                 if len(endpoints) < len(before):
-                    kept = {s.endpoint.address for s in endpoints}
-                    spare = [*spare, *(s for s in before if s.endpoint.address not in kept)]
+                    kept = set(endpoints)  # `EndpointState` hashes by identity
+                    spare = [*spare, *(s for s in before if s not in kept)]
             else:
                 spare = []
             t1 = perf_counter_ns()
