@@ -114,7 +114,7 @@ def run(
         running = frozenset(rng.sample(["a1", "a2", "a3", "a4"], rng.randint(0, 2)))
         s.metrics.lora = LoraInfo(max_lora=2, running=running)
     request = _request(lora)
-    for state in rng.sample(states, warm):  # as if earlier requests had been routed there
+    for state in rng.sample(states, min(warm, endpoints)):  # as if routed there before
         scheduler.pre_request(request, Decision(endpoint=state, fallbacks=[]), now=99.0)
     cycle_rng = random.Random(seed + 1)
     perf = time.perf_counter_ns if clock == "wall" else time.thread_time_ns
@@ -160,8 +160,10 @@ def _in_process(
     if exhaustive:
         cmd.append("--exhaustive")
     env = {**os.environ, "PYTHONPATH": str(src)}
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-    p50, p90, p99, mean = json.loads(out)
+    done = subprocess.run(cmd, env=env, check=False, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr}")
+    p50, p90, p99, mean = json.loads(done.stdout)
     return p50, p90, p99, mean
 
 

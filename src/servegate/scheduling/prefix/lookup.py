@@ -112,28 +112,27 @@ class CycleMatch:
     The affinity filter, the scorer itself and `no-hit-lru-scorer` all ask for the same
     match, usually over the same endpoints the first of them was given (the filter passes
     its input on unchanged when nothing is sticky); those get the scores back as they
-    are, after one comparison of the lists (by identity of their elements, in C). Any
-    other list is answered address by address from what was scored so far.
+    are, after one comparison of the lists. Any other list (the filter's survivors) is
+    answered endpoint by endpoint from what was scored so far. `EndpointState` compares
+    and hashes by identity, so both run in C.
     """
 
-    __slots__ = ("_by_address", "endpoints", "scores")
+    __slots__ = ("_by_state", "endpoints", "scores")
 
     def __init__(self, endpoints: list[EndpointState], scores: Sequence[float]) -> None:
         self.endpoints = list(endpoints)
         self.scores = scores
-        self._by_address: dict[str, float] | None = None
+        self._by_state: dict[EndpointState, float] | None = None
 
     def same_list(self, endpoints: list[EndpointState]) -> bool:
-        """Whether `endpoints` are the endpoints scored, in the same order
-        (`EndpointState` compares by identity)."""
+        """Whether `endpoints` are the endpoints scored, in the same order."""
         return endpoints == self.endpoints
 
-    def by_address(self) -> dict[str, float]:
-        """address → score of every endpoint scored this cycle."""
-        known = self._by_address
+    def by_state(self) -> dict[EndpointState, float]:
+        """endpoint → score, for every endpoint scored this cycle."""
+        known = self._by_state
         if known is None:
-            addresses = [s.endpoint.address for s in self.endpoints]
-            known = self._by_address = dict(zip(addresses, self.scores, strict=True))
+            known = self._by_state = dict(zip(self.endpoints, self.scores, strict=True))
         return known
 
 
@@ -152,14 +151,10 @@ def already_scored(
         return None
     if shared.same_list(endpoints):
         return shared.scores
-    known = shared.by_address()
-    out: list[float] = []
-    for state in endpoints:
-        score = known.get(state.endpoint.address)
-        if score is None:
-            return None
-        out.append(score)
-    return out
+    try:
+        return list(map(shared.by_state().__getitem__, endpoints))
+    except KeyError:
+        return None
 
 
 def prefix_scores(
@@ -174,12 +169,11 @@ def prefix_scores(
         return scores
     if shared.same_list(endpoints):
         return shared.scores
-    known = shared.by_address()
-    missing = [s for s in endpoints if s.endpoint.address not in known]
+    known = shared.by_state()
+    missing = [s for s in endpoints if s not in known]
     if missing:
-        fresh = scorer.score(cycle, request, missing)
-        known.update(zip([s.endpoint.address for s in missing], fresh, strict=True))
-    return [known[s.endpoint.address] for s in endpoints]
+        known.update(zip(missing, scorer.score(cycle, request, missing), strict=True))
+    return list(map(known.__getitem__, endpoints))
 
 
 def find_prefix_producer(
