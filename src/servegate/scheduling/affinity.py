@@ -26,6 +26,8 @@ import base64
 import binascii
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from itertools import compress
+from operator import not_
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, Self, runtime_checkable
 
 from pydantic import Field, model_validator
@@ -176,31 +178,26 @@ class PrefixCacheAffinityFilter:
         if max(scores) < threshold:
             self._count("no-match")
             return endpoints
-        sticky: list[EndpointState] = []
-        others: list[EndpointState] = []
-        sticky_scores: list[float] = []
-        other_scores: list[float] = []
-        for state, score in zip(endpoints, scores, strict=True):
-            if score >= threshold:
-                sticky.append(state)
-                sticky_scores.append(score)
-            else:
-                others.append(state)
-                other_scores.append(score)
+        held = [score >= threshold for score in scores]
+        sticky = list(compress(endpoints, held))
+        sticky_scores = list(compress(scores, held))
+        others = list(compress(endpoints, map(not_, held)))
+        other_scores = list(compress(scores, map(not_, held)))
         if not others:
             self._count("sticky")
             return sticky
-        # min over x / throughput · 1000 is that of the least x: the scaling is monotonic
-        if p.max_tokens_in_flight_penalty > 0:
-            least_sticky_tokens = min([s.in_flight_tokens for s in sticky])
-            least_other_tokens = min([s.in_flight_tokens for s in others])
-            if least_sticky_tokens - least_other_tokens > p.max_tokens_in_flight_penalty:
-                self._count("token-load-override")
-                return endpoints
+        # x / throughput · 1000 is monotonic in x, so its least (or greatest) value over
+        # the replicas is that of the least (greatest) x, computed once
+        sticky_tokens = [s.in_flight_tokens for s in sticky]
+        other_tokens = [s.in_flight_tokens for s in others]
+        token_penalty = p.max_tokens_in_flight_penalty
+        if token_penalty > 0 and min(sticky_tokens) - min(other_tokens) > token_penalty:
+            self._count("token-load-override")
+            return endpoints
         throughput = p.peak_prefill_throughput
         if p.max_ttft_penalty_ms > 0:
-            best_sticky = min([s.in_flight_tokens for s in sticky]) / throughput * 1000.0
-            best_other = min([s.in_flight_tokens for s in others]) / throughput * 1000.0
+            best_sticky = min(sticky_tokens) / throughput * 1000.0
+            best_other = min(other_tokens) / throughput * 1000.0
             if best_sticky - best_other > p.max_ttft_penalty_ms:
                 self._count("load-override")
                 return endpoints
@@ -214,14 +211,22 @@ class PrefixCacheAffinityFilter:
                     for s, x in zip(sticky, sticky_scores, strict=True)
                 ]
             )
-            within = [
-                s
-                for s, x in zip(others, other_scores, strict=True)
-                if s.in_flight_tokens / throughput * 1000.0
-                + (1.0 - (x if x < 1.0 else 1.0)) * prompt / throughput * 1000.0
-                - best
-                <= p.max_ttft_penalty_ms
-            ]
+            least = min(other_scores)
+            slowest = (
+                max(other_tokens) / throughput * 1000.0
+                + (1.0 - (least if least < 1.0 else 1.0)) * prompt / throughput * 1000.0
+            )
+            if least == least and slowest - best <= p.max_ttft_penalty_ms:
+                within = others  # the slowest bound is within, so every one is
+            else:
+                within = [
+                    s
+                    for s, x in zip(others, other_scores, strict=True)
+                    if s.in_flight_tokens / throughput * 1000.0
+                    + (1.0 - (x if x < 1.0 else 1.0)) * prompt / throughput * 1000.0
+                    - best
+                    <= p.max_ttft_penalty_ms
+                ]
             if within:
                 least_sticky = min([s.in_flight_requests for s in sticky])
                 least_within = min([s.in_flight_requests for s in within])

@@ -25,6 +25,7 @@ import random
 from bisect import bisect_left
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import filterfalse
 from math import gcd
 from time import perf_counter_ns
 from typing import Any
@@ -456,7 +457,7 @@ class Scheduler:
             if step.prefers:
                 if len(endpoints) < len(before):
                     kept = set(endpoints)  # `EndpointState` hashes by identity
-                    spare = [*spare, *(s for s in before if s not in kept)]
+                    spare = [*spare, *filterfalse(kept.__contains__, before)]
             else:
                 spare = []
             t1 = perf_counter_ns()
