@@ -188,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         "--against", type=Path, help="another checkout to time side by side (its src/)"
     )
     parser.add_argument("--rounds", type=int, default=2, help="alternations with --against")
+    parser.add_argument(
+        "--labels",
+        default="this,against",
+        help="with --against: names of this checkout and the other in the plot",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = [int(x) for x in str(args.endpoints).split(",")]
@@ -219,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"   p99 {q99:7.1f} µs   mean {mean:7.1f} µs"
                     )
     if args.plot:
-        _plot(args.plot, sizes, p50)
+        _plot(args.plot, sizes, p50, str(args.labels).split(",") if args.against else [])
     return 0
 
 
@@ -229,6 +234,7 @@ def _compare(
     """Each row in both checkouts, alternating; p50s per round and their medians' ratio."""
     here = Path(__file__).resolve().parent.parent / "src"
     there = args.against.resolve() / "src"
+    this_label, that_label = str(args.labels).split(",")
     print(f"this checkout: {here}\nagainst:       {there}  ({args.rounds} rounds)")
     for size in sizes:
         for label in CONFIGS:
@@ -240,8 +246,8 @@ def _compare(
                     theirs.append(_in_process(there, label, size, args, exhaustive)[0])
                     ours.append(_in_process(here, label, size, args, exhaustive)[0])
                 a, b = statistics.median(theirs), statistics.median(ours)
-                p50.setdefault(f"{row} (against)", []).append(a)
-                p50.setdefault(row, []).append(b)
+                p50.setdefault(f"{row}, {that_label}", []).append(a)
+                p50.setdefault(f"{row}, {this_label}", []).append(b)
                 print(
                     f"{size:5d} ep  {row:57s} p50 against "
                     + " / ".join(f"{x:6.1f}" for x in theirs)
@@ -251,22 +257,33 @@ def _compare(
                 )
 
 
-def _plot(path: str, sizes: list[int], p50: dict[str, list[float]]) -> None:
+def _plot(path: str, sizes: list[int], p50: dict[str, list[float]], labels: list[str]) -> None:
+    """One line per row; a row's checkouts (`labels`: this, against) and its exhaustive
+    variant share a colour; the other checkout is dashed, exhaustive scoring dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    colours: dict[str, str] = {}
     for row, values in p50.items():
+        group = row.replace(" exhaustive", "")
+        for label in labels:
+            group = group.removesuffix(f", {label}")
+        style = "--" if labels and row.endswith(f", {labels[-1]}") else "-"
         ax.plot(
             sizes,
             values,
             marker="o",
-            linestyle="--" if "exhaustive" in row or "against" in row else "-",
+            color=colours.setdefault(group, f"C{len(colours)}"),
+            linestyle=":" if "exhaustive" in row else style,
             label=row,
         )
     ax.axhline(100, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xscale("log")
+    if any("exhaustive" in row for row in p50):
+        ax.set_yscale("log")  # exhaustive scoring grows linearly, to milliseconds
     ax.set_xlabel("endpoints in the pool")
     ax.set_ylabel("p50 decision time (µs)")
     ax.set_title("One scheduling decision against pool size (bench/bench_scheduler.py)")
