@@ -340,6 +340,7 @@ class Scheduler:
             self.stats.plugins.setdefault((point, plugin.name), PluginTiming(plugin.type))
         self._timings = self.stats.plugins
         self._plans = {name: self._plan(profile) for name, profile in self.profiles.items()}
+        """Each profile resolved once (profiles are fixed once the scheduler is built)."""
         hooks_pre = [p for p in self.plugins.values() if isinstance(p, PreRequest)]
         # plugins that read what the indexes held before this decision go first
         self._hooks_pre = sorted(
