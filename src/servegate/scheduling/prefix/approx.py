@@ -217,6 +217,12 @@ class PrefixCacheScorer:
     ) -> None:
         self.name = name
         self.params = params
+        self._hashes_key = (
+            f"{HASHES_KEY}/{params.block_size_tokens}/{params.chars_per_block()}"
+            f"/{params.max_prefix_blocks_to_match}"
+        )
+        """Where `block_keys` keeps the prompt's keys in `request.cache` (shared by the
+        scorers and filters that block the prompt the same way)."""
         self.routing = routing if routing is not None else RoutingState()
         """The pool's learned state, which owns this scorer's index (so it survives a picker
         reload) and tells scale-out about local insertions."""
@@ -266,8 +272,7 @@ class PrefixCacheScorer:
 
     def block_keys(self, request: LLMRequest) -> list[int]:
         p = self.params
-        cache_key = f"{HASHES_KEY}/{p.block_size_tokens}/{p.chars_per_block()}"
-        cache_key += f"/{p.max_prefix_blocks_to_match}"
+        cache_key = self._hashes_key
         cached = request.cache.get(cache_key)
         if cached is not None:
             keys: list[int] = cached
