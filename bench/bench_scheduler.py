@@ -2,6 +2,8 @@
 
 100 endpoints with random metrics, an 8k-token prompt, N decisions per
 configuration; prints p50/p90/p99 microseconds per `Scheduler.schedule` call.
+The prompt is new to the pool (no replica holds it), or, in the `held` row, recorded
+on 3 replicas first, as the default profile mostly sees it (sticky routing).
 Between decisions the chosen endpoint's in-flight count moves, as the gateway's
 accounting would, so scores do not stay frozen.
 
@@ -11,21 +13,30 @@ accounting would, so scores do not stay frozen.
 
 `--exhaustive` adds a row per configuration with the shortlist turned off (every
 candidate scored), the way one decision cost before pools were shortlisted.
+`--against DIR` times another checkout's scheduler (DIR/src) side by side: each
+row runs in a fresh process per checkout, alternating, `--rounds` times.
+
+    .venv/bin/python bench/bench_scheduler.py --endpoints 2,8,100,1000 --n 3000 \
+        --against /path/to/other/checkout --clock cpu
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 from servegate.pool.endpoint import LoraInfo, Role
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
 from servegate.scheduling.factory import PluginContext
-from servegate.scheduling.framework import CycleState
+from servegate.scheduling.framework import CycleState, Decision
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.testing.endpoints import random_endpoint_states
 
@@ -58,9 +69,11 @@ schedulingProfiles:
 """
 
 CONFIGS = {
-    "default (servegate default profile)": (DEFAULT_PICKER_CONFIG, None),
-    "heavy (2 filters, 5 scorers, LoRA request)": (HEAVY_PICKER_CONFIG, "a3"),
+    "default (servegate default profile)": (DEFAULT_PICKER_CONFIG, None, 0),
+    "default, prompt held by 3 replicas": (DEFAULT_PICKER_CONFIG, None, 3),
+    "heavy (2 filters, 5 scorers, LoRA request)": (HEAVY_PICKER_CONFIG, "a3", 0),
 }
+"""label → (picker config, LoRA adapter of the request, replicas that hold its prompt)."""
 
 
 def _request(lora: str | None) -> LLMRequest:
@@ -88,6 +101,7 @@ def run(
     seed: int,
     exhaustive: bool = False,
     clock: str = "wall",
+    warm: int = 0,
 ) -> list[float]:
     rng = random.Random(seed)
     scheduler = load_picker_config(config, PluginContext(staleness_s=2.0))
@@ -100,6 +114,8 @@ def run(
         running = frozenset(rng.sample(["a1", "a2", "a3", "a4"], rng.randint(0, 2)))
         s.metrics.lora = LoraInfo(max_lora=2, running=running)
     request = _request(lora)
+    for state in rng.sample(states, min(warm, endpoints)):  # as if routed there before
+        scheduler.pre_request(request, Decision(endpoint=state, fallbacks=[]), now=99.0)
     cycle_rng = random.Random(seed + 1)
     perf = time.perf_counter_ns if clock == "wall" else time.thread_time_ns
     samples: list[float] = []
@@ -116,6 +132,39 @@ def run(
         done.in_flight_requests = max(0, done.in_flight_requests - 1)
         done.in_flight_tokens = max(0, done.in_flight_tokens - 8448)
     return samples
+
+
+def _quantiles(samples: list[float]) -> tuple[float, float, float, float]:
+    q = statistics.quantiles(sorted(samples), n=100)
+    return q[49], q[89], q[98], statistics.fmean(samples)
+
+
+def _in_process(
+    src: Path, label: str, size: int, args: argparse.Namespace, exhaustive: bool
+) -> tuple[float, float, float, float]:
+    """One row timed in a fresh interpreter that imports servegate from `src`."""
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        label,
+        "--endpoints",
+        str(size),
+        "--n",
+        str(args.n),
+        "--seed",
+        str(args.seed),
+        "--clock",
+        args.clock,
+    ]
+    if exhaustive:
+        cmd.append("--exhaustive")
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    done = subprocess.run(cmd, env=env, check=False, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr}")
+    p50, p90, p99, mean = json.loads(done.stdout)
+    return p50, p90, p99, mean
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,42 +184,106 @@ def main(argv: list[str] | None = None) -> int:
         default="wall",
         help="cpu: this thread's CPU time (steadier on a shared, busy machine)",
     )
+    parser.add_argument(
+        "--against", type=Path, help="another checkout to time side by side (its src/)"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="alternations with --against")
+    parser.add_argument(
+        "--labels",
+        default="this,against",
+        help="with --against: names of this checkout and the other in the plot",
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = [int(x) for x in str(args.endpoints).split(",")]
+    if args.worker:
+        config, lora, warm = CONFIGS[args.worker]
+        samples = run(config, lora, args.n, sizes[0], args.seed, args.exhaustive, args.clock, warm)
+        print(json.dumps(_quantiles(samples)))
+        return 0
     print(
         f"python {platform.python_version()} on {platform.machine()}; "
         f"{args.n} decisions each, 8k-token prompt, {args.clock} clock"
     )
     modes = [False, True] if args.exhaustive else [False]
     p50: dict[str, list[float]] = {}
-    for size in sizes:
-        for label, (config, lora) in CONFIGS.items():
-            for exhaustive in modes:
-                row = f"{label}{' exhaustive' if exhaustive else ''}"
-                samples = sorted(run(config, lora, args.n, size, args.seed, exhaustive, args.clock))
-                q = statistics.quantiles(samples, n=100)
-                p50.setdefault(row, []).append(q[49])
-                print(
-                    f"{size:5d} ep  {row:57s} p50 {q[49]:7.1f} µs   p90 {q[89]:7.1f} µs"
-                    f"   p99 {q[98]:7.1f} µs   mean {statistics.fmean(samples):7.1f} µs"
-                )
+    if args.against is not None:
+        _compare(args, sizes, modes, p50)
+    else:
+        for size in sizes:
+            for label, (config, lora, warm) in CONFIGS.items():
+                for exhaustive in modes:
+                    row = f"{label}{' exhaustive' if exhaustive else ''}"
+                    samples = run(
+                        config, lora, args.n, size, args.seed, exhaustive, args.clock, warm
+                    )
+                    q50, q90, q99, mean = _quantiles(samples)
+                    p50.setdefault(row, []).append(q50)
+                    print(
+                        f"{size:5d} ep  {row:57s} p50 {q50:7.1f} µs   p90 {q90:7.1f} µs"
+                        f"   p99 {q99:7.1f} µs   mean {mean:7.1f} µs"
+                    )
     if args.plot:
-        _plot(args.plot, sizes, p50)
+        _plot(args.plot, sizes, p50, str(args.labels).split(",") if args.against else [])
     return 0
 
 
-def _plot(path: str, sizes: list[int], p50: dict[str, list[float]]) -> None:
+def _compare(
+    args: argparse.Namespace, sizes: list[int], modes: list[bool], p50: dict[str, list[float]]
+) -> None:
+    """Each row in both checkouts, alternating; p50s per round and their medians' ratio."""
+    here = Path(__file__).resolve().parent.parent / "src"
+    there = args.against.resolve() / "src"
+    this_label, that_label = str(args.labels).split(",")
+    print(f"this checkout: {here}\nagainst:       {there}  ({args.rounds} rounds)")
+    for size in sizes:
+        for label in CONFIGS:
+            for exhaustive in modes:
+                row = f"{label}{' exhaustive' if exhaustive else ''}"
+                ours: list[float] = []
+                theirs: list[float] = []
+                for _ in range(args.rounds):
+                    theirs.append(_in_process(there, label, size, args, exhaustive)[0])
+                    ours.append(_in_process(here, label, size, args, exhaustive)[0])
+                a, b = statistics.median(theirs), statistics.median(ours)
+                p50.setdefault(f"{row}, {that_label}", []).append(a)
+                p50.setdefault(f"{row}, {this_label}", []).append(b)
+                print(
+                    f"{size:5d} ep  {row:57s} p50 against "
+                    + " / ".join(f"{x:6.1f}" for x in theirs)
+                    + " µs, this "
+                    + " / ".join(f"{x:6.1f}" for x in ours)
+                    + f" µs   this ÷ against {b / a:.2f}"
+                )
+
+
+def _plot(path: str, sizes: list[int], p50: dict[str, list[float]], labels: list[str]) -> None:
+    """One line per row; a row's checkouts (`labels`: this, against) and its exhaustive
+    variant share a colour; the other checkout is dashed, exhaustive scoring dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    colours: dict[str, str] = {}
     for row, values in p50.items():
+        group = row.replace(" exhaustive", "")
+        for label in labels:
+            group = group.removesuffix(f", {label}")
+        style = "--" if labels and row.endswith(f", {labels[-1]}") else "-"
         ax.plot(
-            sizes, values, marker="o", linestyle="--" if "exhaustive" in row else "-", label=row
+            sizes,
+            values,
+            marker="o",
+            color=colours.setdefault(group, f"C{len(colours)}"),
+            linestyle=":" if "exhaustive" in row else style,
+            label=row,
         )
     ax.axhline(100, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xscale("log")
+    if any("exhaustive" in row for row in p50):
+        ax.set_yscale("log")  # exhaustive scoring grows linearly, to milliseconds
     ax.set_xlabel("endpoints in the pool")
     ax.set_ylabel("p50 decision time (µs)")
     ax.set_title("One scheduling decision against pool size (bench/bench_scheduler.py)")

@@ -1,4 +1,6 @@
 import random
+from collections import OrderedDict
+from itertools import takewhile
 
 import pytest
 
@@ -8,7 +10,6 @@ from servegate.scheduling.prefix.approx import (
     ApproxPrefixIndex,
     ApproxPrefixParameters,
     PrefixCacheScorer,
-    ServerLRU,
 )
 from servegate.scheduling.prefix.hashing import chain_seed, char_block_hashes, token_block_hashes
 from servegate.scheduling.request import LLMRequest, RequestKind
@@ -63,12 +64,25 @@ def test_token_hashes_match_on_common_prefix() -> None:
     assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
 
 
-def test_server_lru_evicts_least_recently_used() -> None:
-    lru = ServerLRU(2)
-    assert lru.add(1) is None and lru.add(2) is None
-    assert lru.add(1) is None  # refresh 1 → 2 is now the oldest
-    assert lru.add(3) == 2
-    assert list(lru.keys) == [1, 3]
+def test_the_index_evicts_the_least_recently_used_block() -> None:
+    index = ApproxPrefixIndex(2)
+    index.insert("a", [1, 2])
+    index.insert("a", [1])  # refresh 1 → 2 is now the oldest
+    index.insert("a", [3])
+    assert index.holds(1) and not index.holds(2) and index.holds(3)
+    assert len(index) == 2
+
+
+def test_a_held_chain_inserted_again_is_refreshed_not_duplicated() -> None:
+    index = ApproxPrefixIndex(3)
+    index.insert("a", [1, 2, 3])
+    index.insert("b", [1, 2])
+    index.insert("a", [1, 2, 3])  # held: refreshed in order, 1 stays the oldest of a's
+    index.insert("a", [4])  # a evicts 1; b still holds it
+    assert index.match_lengths([1, 2], ["a", "b"]) == {"a": 0, "b": 2}
+    assert index.match_lengths([2, 3, 4], ["a", "b"]) == {"a": 3, "b": 1}
+    index.remove_server("b")
+    assert not index.holds(1) and len(index) == 3
 
 
 def test_index_match_lengths_are_leading_runs() -> None:
@@ -82,6 +96,33 @@ def test_index_match_lengths_are_leading_runs() -> None:
         "c": 0,
         "d": 0,
     }
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_match_lengths_follow_each_replicas_lru(seed: int) -> None:
+    """Random chains sharing prefixes, recorded on random replicas with small LRUs (so
+    blocks are evicted from the middle of chains too): each replica's match is the run
+    of leading blocks its own LRU, modelled here one replica at a time, still holds."""
+    rng = random.Random(seed)
+    capacity = rng.randint(8, 40)
+    index = ApproxPrefixIndex(capacity)
+    model: dict[str, OrderedDict[int, None]] = {}
+    stems = [[rng.getrandbits(64) for _ in range(rng.randint(1, 20))] for _ in range(4)]
+    chains = [[*rng.choice(stems)[: rng.randint(1, 20)], rng.getrandbits(64)] for _ in range(30)]
+    addresses = [f"r{i}" for i in range(12)]
+    for _ in range(200):
+        address, chain = rng.choice(addresses), rng.choice(chains)
+        index.insert(address, chain)
+        lru = model.setdefault(address, OrderedDict())
+        for key in chain:
+            lru.pop(key, None)
+            lru[key] = None
+            while len(lru) > capacity:
+                lru.popitem(last=False)
+    for chain in chains:
+        asked = rng.sample(addresses, rng.randint(1, len(addresses)))
+        expected = {a: len(list(takewhile(model.get(a, {}).__contains__, chain))) for a in asked}
+        assert index.match_lengths(chain, asked) == expected
 
 
 def test_index_eviction_updates_reverse_map() -> None:

@@ -2,7 +2,10 @@
 
 Compared against exhaustive scoring of the same pool, state and request: the
 cache decision (how much of the prompt the chosen replica holds) must be the
-same, and a load-only decision must land near the top of the exhaustive ranking.
+same; when the affinity filter keeps the holders alone, both score the same
+replicas, so the totals are equal and the choice is an exhaustive best; a
+load-only decision must land near the top of the exhaustive ranking. Whatever
+the path, the totals are each scorer's clamped score times its weight, summed.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from collections.abc import Collection
 
 import pytest
 
-from servegate.pool.endpoint import EndpointState
+from servegate.pool.endpoint import EndpointState, LoraInfo
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
 from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.framework import CycleState, Decision, SchedulerProfile, WeightedScorer
@@ -23,21 +26,22 @@ from servegate.scheduling.prefix.events import BlockStored
 from servegate.scheduling.prefix.precise import PrecisePrefixCacheScorer
 from servegate.scheduling.profiles import SingleProfileHandler
 from servegate.scheduling.request import LLMRequest, RequestKind
-from servegate.scheduling.scheduler import Scheduler, spread_sample
+from servegate.scheduling.scheduler import Scheduler, clamp, spread_sample
 from servegate.scheduling.scorers import QueueScorer
 from servegate.testing.endpoints import random_endpoint_states
 
 POOL = 1000
 
 
-def _request(i: int) -> LLMRequest:
+def _request(i: int, lora: str | None = None) -> LLMRequest:
     prompt = f"system prompt {i % 7} " * 200 + f"question {i}"
     return LLMRequest(
         request_id=f"r{i}",
         kind=RequestKind.COMPLETION,
-        model="base",
-        target_model="base",
+        model=lora or "base",
+        target_model=lora or "base",
         base_model="base",
+        lora=lora,
         prompt=prompt,
         prompt_tokens=len(prompt) // 4,
         max_tokens=16,
@@ -102,6 +106,92 @@ def test_the_cache_decision_matches_exhaustive_scoring(seed: int, filtered: bool
     assert scheduler.stats.shortlisted == 1
     assert _held(scorer, request, short.endpoint) == _held(scorer, request, full.endpoint)
     assert _held(scorer, request, short.endpoint) > 0
+
+
+ADAPTERS = ("a1", "a2", "a3", "a4")
+
+
+def _with_lora(states: list[EndpointState], rng: random.Random) -> None:
+    """Random adapter state: running one or two adapters, some waiting, or none reported."""
+    for state in states:
+        if rng.random() < 0.2:
+            continue  # no lora_requests_info series yet
+        state.metrics.lora = LoraInfo(
+            max_lora=2,
+            running=frozenset(rng.sample(ADAPTERS, rng.randint(0, 2))),
+            waiting=frozenset(rng.sample(ADAPTERS, rng.randint(0, 1))),
+        )
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_a_sticky_decision_is_an_exhaustive_best(seed: int) -> None:
+    """Random loads, LoRA slots and prefix holders, an adapter request half the time.
+
+    The holders are few (all on the shortlist) and lightly loaded, so the affinity filter
+    keeps them alone on both paths: shortlist and exhaustive scoring then score the same
+    replicas, and must give them the same totals and choose a replica with the best one
+    (ties are broken by the cycle's random draws, which the shortlist's sample shifts).
+    """
+    scheduler, states, scorer = _default(seed)
+    rng = random.Random(seed)
+    _with_lora(states, rng)
+    request = _request(seed, lora=rng.choice([None, "a1", "a3"]))
+    keys = scorer.block_keys(request)
+    full = rng.sample(states, rng.randint(2, 6))
+    partial = rng.sample([s for s in states if s not in full], rng.randint(0, 12))
+    for state in full:
+        scorer.index.insert(state.address, keys)
+    for state in partial:
+        scorer.index.insert(state.address, keys[: rng.randrange(1, len(keys))])
+    for state in [*full, *partial]:
+        state.in_flight_requests = rng.randint(0, 2)  # the least loaded other may have 0
+    short = _decide(scheduler, request, states, exhaustive=False)
+    whole = _decide(scheduler, request, states, exhaustive=True)
+    assert scheduler.stats.shortlisted == 1
+    affinity = scheduler.plugins["prefix-cache-affinity-filter"]
+    assert affinity.decisions == {"sticky": 2}
+    short_totals = dict(short.results["default"].totals)
+    whole_totals = dict(whole.results["default"].totals)
+    assert short_totals == whole_totals
+    assert short_totals[short.endpoint.address] == max(whole_totals.values())
+    assert short.endpoint in full or _held(scorer, request, short.endpoint) >= 0.8 * len(keys)
+
+
+def _plain_totals(
+    scheduler: Scheduler, request: LLMRequest, scored: list[EndpointState]
+) -> dict[str, float]:
+    """Each scorer alone on a fresh cycle (nothing shared), clamped, weighted, summed in order."""
+    totals = dict.fromkeys((s.address for s in scored), 0.0)
+    for weighted in scheduler.profiles["default"].scorers:
+        raw = weighted.scorer.score(CycleState(100.0, random.Random(0)), request, scored)
+        for state, x in zip(scored, raw, strict=True):
+            totals[state.address] += weighted.weight * clamp(x)
+    return totals
+
+
+@pytest.mark.parametrize("pool", [8, 100, POOL])
+@pytest.mark.parametrize("seed", range(6))
+def test_the_totals_are_the_plain_weighted_sum(seed: int, pool: int) -> None:
+    """Randomized traffic through the default profile (cold and warm prompts, adapters,
+    never-scraped replicas whose metrics score NaN): the totals the scheduler reports equal
+    a plain recomputation, column by column, for the replicas it scored."""
+    scheduler = load_picker_config(DEFAULT_PICKER_CONFIG, PluginContext(staleness_s=2.0))
+    rng = random.Random(seed)
+    states = random_endpoint_states(pool, rng)
+    _with_lora(states, rng)
+    for state in rng.sample(states, max(1, pool // 10)):
+        state.metrics.scraped_at = 0.0
+    for i in range(40):
+        request = _request(rng.randrange(10**6) if rng.random() < 0.3 else i % 5)
+        request.lora = rng.choice([None, None, "a2", "a4"])
+        cycle = CycleState(100.0 + i, random.Random(i))
+        decision = scheduler.schedule(request, states, cycle)
+        result = decision.results["default"]
+        scored = [s for s in states if s.address in result.totals]
+        assert dict(result.totals) == _plain_totals(scheduler, request, scored)
+        scheduler.pre_request(request, decision, cycle.now)
+        decision.endpoint.in_flight_requests += 1
+    assert scheduler.stats.shortlisted == (40 if pool > scheduler.exhaustive_limit else 0)
 
 
 def test_a_load_only_decision_is_near_the_exhaustive_best() -> None:

@@ -26,6 +26,8 @@ import base64
 import binascii
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from itertools import compress
+from operator import not_
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, Self, runtime_checkable
 
 from pydantic import Field, model_validator
@@ -161,9 +163,6 @@ class PrefixCacheAffinityFilter:
     def _count(self, outcome: str) -> None:
         self.decisions[outcome] = self.decisions.get(outcome, 0) + 1
 
-    def _ttft_ms(self, state: EndpointState) -> float:
-        return state.in_flight_tokens / self.params.peak_prefill_throughput * 1000.0
-
     def filter(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
     ) -> list[EndpointState]:
@@ -176,38 +175,61 @@ class PrefixCacheAffinityFilter:
             return endpoints
         scores = prefix_scores(cycle, self.prefix, request, endpoints)
         threshold = p.affinity_threshold
-        if not any(score >= threshold for score in scores):
+        if max(scores) < threshold:
             self._count("no-match")
             return endpoints
-        sticky: list[EndpointState] = []
-        others: list[EndpointState] = []
-        for state, score in zip(endpoints, scores, strict=True):
-            (sticky if score >= threshold else others).append(state)
-        if p.max_tokens_in_flight_penalty > 0 and others:
-            least_sticky_tokens = min(s.in_flight_tokens for s in sticky)
-            least_other_tokens = min(s.in_flight_tokens for s in others)
-            if least_sticky_tokens - least_other_tokens > p.max_tokens_in_flight_penalty:
-                self._count("token-load-override")
-                return endpoints
-        if p.max_ttft_penalty_ms > 0 and others:
-            best_sticky = min(self._ttft_ms(s) for s in sticky)
-            best_other = min(self._ttft_ms(s) for s in others)
+        held = [score >= threshold for score in scores]
+        sticky = list(compress(endpoints, held))
+        sticky_scores = list(compress(scores, held))
+        others = list(compress(endpoints, map(not_, held)))
+        other_scores = list(compress(scores, map(not_, held)))
+        if not others:
+            self._count("sticky")
+            return sticky
+        # x / throughput · 1000 is monotonic in x, so its least (or greatest) value over
+        # the replicas is that of the least (greatest) x, computed once
+        sticky_tokens = [s.in_flight_tokens for s in sticky]
+        other_tokens = [s.in_flight_tokens for s in others]
+        token_penalty = p.max_tokens_in_flight_penalty
+        if token_penalty > 0 and min(sticky_tokens) - min(other_tokens) > token_penalty:
+            self._count("token-load-override")
+            return endpoints
+        throughput = p.peak_prefill_throughput
+        if p.max_ttft_penalty_ms > 0:
+            best_sticky = min(sticky_tokens) / throughput * 1000.0
+            best_other = min(other_tokens) / throughput * 1000.0
             if best_sticky - best_other > p.max_ttft_penalty_ms:
                 self._count("load-override")
                 return endpoints
-        if p.max_in_flight_requests_delta > 0 and others:
+        if p.max_in_flight_requests_delta > 0:
             prompt = request.prompt_tokens
-            score_of = {s.address: x for s, x in zip(endpoints, scores, strict=True)}
-
-            def request_ttft(state: EndpointState) -> float:
-                uncached = (1.0 - min(1.0, score_of[state.address])) * prompt
-                return self._ttft_ms(state) + uncached / p.peak_prefill_throughput * 1000.0
-
-            best = min(request_ttft(s) for s in sticky)
-            within = [s for s in others if request_ttft(s) - best <= p.max_ttft_penalty_ms]
+            # TTFT = queued tokens, then the prompt's uncached part, at the prefill rate
+            best = min(
+                [
+                    s.in_flight_tokens / throughput * 1000.0
+                    + (1.0 - (x if x < 1.0 else 1.0)) * prompt / throughput * 1000.0
+                    for s, x in zip(sticky, sticky_scores, strict=True)
+                ]
+            )
+            least = min(other_scores)
+            slowest = (
+                max(other_tokens) / throughput * 1000.0
+                + (1.0 - (least if least < 1.0 else 1.0)) * prompt / throughput * 1000.0
+            )
+            if least == least and slowest - best <= p.max_ttft_penalty_ms:
+                within = others  # the slowest bound is within, so every one is
+            else:
+                within = [
+                    s
+                    for s, x in zip(others, other_scores, strict=True)
+                    if s.in_flight_tokens / throughput * 1000.0
+                    + (1.0 - (x if x < 1.0 else 1.0)) * prompt / throughput * 1000.0
+                    - best
+                    <= p.max_ttft_penalty_ms
+                ]
             if within:
-                least_sticky = min(s.in_flight_requests for s in sticky)
-                least_within = min(s.in_flight_requests for s in within)
+                least_sticky = min([s.in_flight_requests for s in sticky])
+                least_within = min([s.in_flight_requests for s in within])
                 if least_sticky - least_within > p.max_in_flight_requests_delta:
                     self._count("request-load-override")
                     return [*sticky, *within]
@@ -309,8 +331,9 @@ class NoHitLRUScorer:
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
     ) -> Sequence[float]:
         n = len(endpoints)
-        cold = self.prefix is None or not any(
-            s > 0.0 for s in prefix_scores(cycle, self.prefix, request, endpoints)
+        cold = (
+            self.prefix is None
+            or max(prefix_scores(cycle, self.prefix, request, endpoints), default=0.0) <= 0.0
         )
         request.cache[self._state_key] = cold
         if not cold:
@@ -319,12 +342,12 @@ class NoHitLRUScorer:
             return [1.0]
         position = self.placements.position()
         order = [position.get(s.endpoint.address, -1) for s in endpoints]
-        ranked = sorted(range(n), key=order.__getitem__)  # stable: never-given first, in order
         step = 1.0 / (n - 1)
-        scores = [0.0] * n
-        for rank, i in enumerate(ranked):
-            scores[i] = 1.0 - rank * step
-        return scores
+        if max(order) < 0:  # none given a cold request yet: candidate order is the rank
+            return [1.0 - rank * step for rank in range(n)]
+        ranked = sorted(range(n), key=order.__getitem__)  # stable: never-given first, in order
+        rank_of = sorted(range(n), key=ranked.__getitem__)
+        return [1.0 - rank * step for rank in rank_of]
 
     def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None:
         if not request.cache.pop(self._state_key, False):

@@ -89,7 +89,7 @@ class MaxScorePicker(_Picker):
             order[0], order[j] = order[j], order[0]
         if k < n:
             del order[k:]
-        return [endpoints[i] for i in order]
+        return list(map(endpoints.__getitem__, order))
 
 
 class RandomPicker(_Picker):

@@ -25,6 +25,7 @@ import random
 from bisect import bisect_left
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import filterfalse
 from math import gcd
 from time import perf_counter_ns
 from typing import Any
@@ -35,13 +36,16 @@ from servegate.scheduling.framework import (
     KEEPS_FALLBACKS,
     CycleState,
     Decision,
+    Filter,
     NoCandidates,
+    Picker,
     Plugin,
     PreRequest,
     ProfileHandler,
     ProfileResult,
     ResponseComplete,
     SchedulerProfile,
+    Scorer,
     Shortlister,
 )
 from servegate.scheduling.profiles import ProfileSetCheck
@@ -224,6 +228,58 @@ HINT_LIMIT = 32
 """Endpoints each `Shortlister` may add to a shortlist."""
 
 
+@dataclass(slots=True, frozen=True)
+class _FilterStep:
+    plugin: Filter
+    timing: PluginTiming
+    prefers: bool
+    """`KEEPS_FALLBACKS`: a preference, whose removed endpoints stay fallbacks."""
+    identity_only: bool
+    """`IDENTITY_ONLY`: its output is reused while the candidate list is the same."""
+
+
+@dataclass(slots=True, frozen=True)
+class _ScorerStep:
+    plugin: Scorer
+    timing: PluginTiming
+    weight: float
+
+
+@dataclass(slots=True, frozen=True)
+class _Plan:
+    """What one profile runs, resolved once: plugins, their flags, weights and timers."""
+
+    filters: tuple[_FilterStep, ...]
+    scorers: tuple[_ScorerStep, ...]
+    names: list[str]
+    weights: list[float]
+    picker: Picker
+    picker_timing: PluginTiming
+    shortlisters: tuple[Shortlister, ...]
+
+
+def add_weighted(totals: list[float] | None, raw: Sequence[float], w: float) -> list[float]:
+    """`totals` plus `w · clamp(raw)` element by element (`raw` alone when `totals` is None).
+
+    A column with one value for everyone (the LoRA scorer for a base-model request, a
+    prefix scorer when nothing matches, no-hit-lru for a warm prompt) is added as that
+    one value: the same sums, without clamping each element.
+    """
+    n = len(raw)
+    x = raw[0] if n else 0.0
+    if n and (x is raw[-1] or x == raw[-1]) and raw.count(x) == n:
+        c = w if x >= 1.0 else (w * x if x > 0.0 else 0.0)
+        if totals is None:
+            return [c] * n
+        return totals if c == 0.0 else [t + c for t in totals]
+    if totals is None:
+        return [w if x >= 1.0 else (w * x if x > 0.0 else 0.0) for x in raw]
+    return [
+        t + (w if x >= 1.0 else (w * x if x > 0.0 else 0.0))
+        for t, x in zip(totals, raw, strict=False)
+    ]
+
+
 class Scheduler:
     """Runs `handler`'s profiles over the candidates; `plugins` are all configured plugins."""
 
@@ -233,7 +289,7 @@ class Scheduler:
         "_hooks_pre",
         "_index",
         "_index_of",
-        "_shortlisters",
+        "_plans",
         "_timings",
         "exhaustive_limit",
         "handler",
@@ -262,10 +318,6 @@ class Scheduler:
         self.exhaustive_limit = exhaustive_limit
         self.sample_size = sample_size
         self.hint_limit = hint_limit
-        self._shortlisters = {
-            name: [ws.scorer for ws in p.scorers if isinstance(ws.scorer, Shortlister)]
-            for name, p in profiles.items()
-        }
         self._index: dict[str, int] = {}
         self._index_of: list[EndpointState] | None = None
         self._filter_memo: dict[int, tuple[list[EndpointState], int, list[EndpointState]]] = {}
@@ -287,6 +339,8 @@ class Scheduler:
         for point, plugin in timed:
             self.stats.plugins.setdefault((point, plugin.name), PluginTiming(plugin.type))
         self._timings = self.stats.plugins
+        self._plans = {name: self._plan(profile) for name, profile in self.profiles.items()}
+        """Each profile resolved once (profiles are fixed once the scheduler is built)."""
         hooks_pre = [p for p in self.plugins.values() if isinstance(p, PreRequest)]
         # plugins that read what the indexes held before this decision go first
         self._hooks_pre = sorted(
@@ -342,6 +396,31 @@ class Scheduler:
             raise NoCandidates(f"no endpoint survived the scheduling profiles ({ran})")
         return decision
 
+    def _plan(self, profile: SchedulerProfile) -> _Plan:
+        timings = self._timings
+        return _Plan(
+            filters=tuple(
+                _FilterStep(
+                    f,
+                    timings[(FILTER, f.name)],
+                    bool(getattr(f, KEEPS_FALLBACKS, False)),
+                    bool(getattr(f, IDENTITY_ONLY, False)),
+                )
+                for f in profile.filters
+            ),
+            scorers=tuple(
+                _ScorerStep(ws.scorer, timings[(SCORER, ws.scorer.name)], ws.weight)
+                for ws in profile.scorers
+            ),
+            names=[ws.scorer.name for ws in profile.scorers],
+            weights=[ws.weight for ws in profile.scorers],
+            picker=profile.picker,
+            picker_timing=timings[(PICKER, profile.picker.name)],
+            shortlisters=tuple(
+                ws.scorer for ws in profile.scorers if isinstance(ws.scorer, Shortlister)
+            ),
+        )
+
     def _run_profile(
         self,
         profile: SchedulerProfile,
@@ -349,23 +428,23 @@ class Scheduler:
         request: LLMRequest,
         candidates: list[EndpointState],
     ) -> ProfileResult | None:
-        timings = self._timings
+        plan = self._plans[profile.name]
         endpoints = candidates
         memo = self._filter_memo
         remembered: list[EndpointState] | None = None
         spare: list[EndpointState] = []
         """Endpoints a preference filter (`KEEPS_FALLBACKS`) removed: last-resort fallbacks."""
         t0 = perf_counter_ns()
-        for flt in profile.filters:
-            prefers = getattr(flt, KEEPS_FALLBACKS, False)
-            if prefers and len(endpoints) > self.exhaustive_limit:
+        for step in plan.filters:
+            flt = step.plugin
+            if step.prefers and len(endpoints) > self.exhaustive_limit:
                 # a preference filter scores every endpoint it is given (the prefix
                 # affinity filter matches the prompt against each): in a large pool it
                 # chooses among the shortlist (the indexes' holders are on it), never
                 # empties it, and what it drops stays a fallback
-                endpoints = self._shortlist(profile, cycle, request, endpoints)
+                endpoints = self._shortlist(plan, cycle, request, endpoints)
             before = endpoints
-            if getattr(flt, IDENTITY_ONLY, False):
+            if step.identity_only:
                 seen = memo.get(id(flt))
                 if seen is not None and seen[0] is endpoints and seen[1] == len(endpoints):
                     endpoints = seen[2]
@@ -376,65 +455,53 @@ class Scheduler:
                 remembered = endpoints
             else:
                 endpoints = flt.filter(cycle, request, endpoints)
-            if prefers:
+            if step.prefers:
                 if len(endpoints) < len(before):
-                    kept = {s.address for s in endpoints}
-                    spare = [*spare, *(s for s in before if s.address not in kept)]
+                    kept = set(endpoints)  # `EndpointState` hashes by identity
+                    spare = [*spare, *filterfalse(kept.__contains__, before)]
             else:
                 spare = []
             t1 = perf_counter_ns()
-            timings[(FILTER, flt.name)].add(t1 - t0)
+            step.timing.add(t1 - t0)
             t0 = t1
             if not endpoints:
                 return None
         if len(endpoints) > self.exhaustive_limit:
-            endpoints = self._shortlist(profile, cycle, request, endpoints)
+            endpoints = self._shortlist(plan, cycle, request, endpoints)
         elif endpoints is candidates or endpoints is remembered:
             endpoints = list(endpoints)  # lists others hold are never handed to plugins
         n = len(endpoints)
-        names: list[str] = []
-        weights: list[float] = []
         raws: list[Sequence[float]] = []
         totals: list[float] | None = None
-        for weighted in profile.scorers:
-            scorer = weighted.scorer
+        for scoring in plan.scorers:
+            scorer = scoring.plugin
             raw = scorer.score(cycle, request, endpoints)
             if len(raw) != n:
                 raise ValueError(
                     f"scorer {scorer.name!r} returned {len(raw)} scores for {n} endpoints"
                 )
-            w = weighted.weight
-            if totals is None:
-                totals = [w if x >= 1.0 else (w * x if x > 0.0 else 0.0) for x in raw]
-            else:
-                totals = [
-                    t + (w if x >= 1.0 else (w * x if x > 0.0 else 0.0))
-                    for t, x in zip(totals, raw, strict=False)
-                ]
-            names.append(scorer.name)
-            weights.append(w)
+            totals = add_weighted(totals, raw, scoring.weight)
             raws.append(raw)
             t1 = perf_counter_ns()
-            timings[(SCORER, scorer.name)].add(t1 - t0)
+            scoring.timing.add(t1 - t0)
             t0 = t1
         if totals is None:
             totals = [0.0] * n
-        picker = profile.picker
-        ranked = picker.pick(cycle, request, endpoints, totals)
-        timings[(PICKER, picker.name)].add(perf_counter_ns() - t0)
+        ranked = plan.picker.pick(cycle, request, endpoints, totals)
+        plan.picker_timing.add(perf_counter_ns() - t0)
         if not ranked:
             return None
         if spare:
             ranked = [*ranked, *spare]
         return ProfileResult(
             ranked=ranked,
-            scores=ScoreTable(endpoints, names, weights, raws),
+            scores=ScoreTable(endpoints, plan.names, plan.weights, raws),
             totals=TotalsView(endpoints, totals),
         )
 
     def _shortlist(
         self,
-        profile: SchedulerProfile,
+        plan: _Plan,
         cycle: CycleState,
         request: LLMRequest,
         endpoints: list[EndpointState],
@@ -442,7 +509,7 @@ class Scheduler:
         """The hinted endpoints plus a uniform sample, in pool order; or all if a hint can't."""
         n = len(endpoints)
         picked: set[int] = set()
-        shortlisters = self._shortlisters[profile.name]
+        shortlisters = plan.shortlisters
         if shortlisters:
             index = self._address_index(endpoints)
             for scorer in shortlisters:
@@ -453,9 +520,9 @@ class Scheduler:
                     i = index.get(address)
                     if i is not None:
                         picked.add(i)
-        picked.update(i % n for i in spread_sample(cycle.rng, n, self.sample_size))
+        picked.update(map(n.__rmod__, spread_sample(cycle.rng, n, self.sample_size)))
         self.stats.shortlisted += 1
-        return [endpoints[i] for i in sorted(picked)]
+        return list(map(endpoints.__getitem__, sorted(picked)))
 
     def _address_index(self, endpoints: list[EndpointState]) -> dict[str, int]:
         """address → position, remembered for the last list seen (the pool hands out one

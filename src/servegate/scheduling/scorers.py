@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Self
 
 from pydantic import Field, field_validator
 
-from servegate.pool.endpoint import EndpointState
+from servegate.pool.endpoint import EndpointMetrics, EndpointState
 from servegate.scheduling.factory import (
     ParameterlessPlugin,
     Parameters,
@@ -35,9 +35,10 @@ from servegate.scheduling.request import LLMRequest
 NAN = float("nan")
 
 
-def _known(state: EndpointState, value: float) -> float:
-    """`value`, or NaN while no scrape of `state` was ever accepted."""
-    return value if state.metrics.scraped_at > 0.0 else NAN
+def _metrics(endpoints: list[EndpointState]) -> list[EndpointMetrics]:
+    """The endpoints' metrics; a scorer reads `m.x if m.scraped_at > 0.0 else NAN` (NaN
+    while no scrape of the endpoint was ever accepted), inline, once per endpoint."""
+    return [s.metrics for s in endpoints]
 
 
 LEGACY_KV_CACHE_TYPE = "kv-cache-scorer"
@@ -75,7 +76,9 @@ class QueueScorer(ParameterlessPlugin):
     def score(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
     ) -> list[float]:
-        return inverted_min_max([_known(s, s.metrics.waiting) for s in endpoints])
+        return inverted_min_max(
+            [m.waiting if m.scraped_at > 0.0 else NAN for m in _metrics(endpoints)]
+        )
 
 
 class RunningRequestsSizeScorer(ParameterlessPlugin):
@@ -87,7 +90,9 @@ class RunningRequestsSizeScorer(ParameterlessPlugin):
     def score(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
     ) -> list[float]:
-        return inverted_min_max([_known(s, s.metrics.running) for s in endpoints])
+        return inverted_min_max(
+            [m.running if m.scraped_at > 0.0 else NAN for m in _metrics(endpoints)]
+        )
 
 
 class KVCacheUtilizationScorer(ParameterlessPlugin):
@@ -99,7 +104,7 @@ class KVCacheUtilizationScorer(ParameterlessPlugin):
     def score(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
     ) -> list[float]:
-        return [1.0 - _known(s, s.metrics.kv_usage) for s in endpoints]
+        return [1.0 - m.kv_usage if m.scraped_at > 0.0 else NAN for m in _metrics(endpoints)]
 
 
 _GO_DURATION = re.compile(r"^(?:\d+(?:\.\d+)?(?:ns|us|µs|ms|s|m|h))+$")
@@ -186,7 +191,7 @@ class LoadAwareScorer:
         half_per_request = 0.5 / t
         return [
             0.5 - q * half_per_request if q < t else 0.0
-            for q in [_known(s, s.metrics.waiting) for s in endpoints]
+            for q in [m.waiting if m.scraped_at > 0.0 else NAN for m in _metrics(endpoints)]
         ]
 
 
@@ -240,18 +245,25 @@ class LoraAffinityScorer(ParameterlessPlugin):
         if not adapter:
             return [1.0] * len(endpoints)
         out: list[float] = []
+        append = out.append
         for s in endpoints:
             info = s.metrics.lora
             if info is None:
-                out.append(0.8 if adapter in s.served_models or len(s.served_models) > 1 else 0.0)
-            elif adapter in info.running:
-                out.append(1.0)
-            elif len(info.running | info.waiting) < info.max_lora:
-                out.append(0.8)
-            elif adapter in info.waiting:
-                out.append(0.6)
+                append(0.8 if adapter in s.served_models or len(s.served_models) > 1 else 0.0)
+                continue
+            running, waiting = info.running, info.waiting
+            if adapter in running:
+                append(1.0)
+                continue
+            used = len(running) + len(waiting)
+            if used >= info.max_lora and running and waiting:
+                used = len(running | waiting)  # an adapter both running and waiting counts once
+            if used < info.max_lora:
+                append(0.8)
+            elif adapter in waiting:
+                append(0.6)
             else:
-                out.append(0.0)
+                append(0.0)
         return out
 
 

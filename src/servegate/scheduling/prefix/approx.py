@@ -84,17 +84,6 @@ class ServerLRU:
         self.capacity = capacity
         self.keys: OrderedDict[int, None] = OrderedDict()
 
-    def add(self, key: int) -> int | None:
-        """Insert or refresh `key`; return the evicted key, if any."""
-        keys = self.keys
-        if key in keys:
-            keys.move_to_end(key)
-            return None
-        keys[key] = None
-        if len(keys) > self.capacity:
-            return keys.popitem(last=False)[0]
-        return None
-
 
 class ApproxPrefixIndex:
     """Per-endpoint LRUs plus a reverse map key → endpoints, for one pass per prompt."""
@@ -114,14 +103,20 @@ class ApproxPrefixIndex:
         elif capacity is not None:
             lru.capacity = capacity
         where = self._where
+        held = lru.keys
+        refresh = held.move_to_end
         for key in keys:
+            if key in held:
+                refresh(key)  # held already, so `where` names this address for it
+                continue
+            held[key] = None
             holders = where.get(key)
             if holders is None:
                 where[key] = {address}
             else:
                 holders.add(address)
-            evicted = lru.add(key)
-            if evicted is not None:
+            if len(held) > lru.capacity:
+                evicted = held.popitem(last=False)[0]
                 gone = where.get(evicted)
                 if gone is not None:
                     gone.discard(address)
@@ -168,21 +163,36 @@ class ApproxPrefixIndex:
             i, stride = max(0, i - stride), stride * 2
         return list(out)
 
+    def holds(self, key: int) -> bool:
+        """Whether any endpoint holds block `key`."""
+        return bool(self._where.get(key))
+
     def match_lengths(self, keys: Sequence[int], addresses: Sequence[str]) -> dict[str, int]:
-        """Leading blocks of `keys` each address holds."""
+        """Leading blocks of `keys` each address holds.
+
+        One set operation per block while the holders stay the same (a subset check, in
+        C); addresses are written out only when they drop off or at the end.
+        """
         matched = dict.fromkeys(addresses, 0)
-        alive = set(addresses)
         where = self._where
-        for i, key in enumerate(keys):
+        if not keys:
+            return matched
+        alive = set(addresses).intersection(where.get(keys[0], ()))
+        depth = 1
+        for key in keys[1:]:
+            if not alive:
+                break
             holders = where.get(key)
-            if not holders:
+            if holders is None:
                 break
-            still = alive & holders
-            if not still:
-                break
-            for address in still:
-                matched[address] = i + 1
-            alive = still
+            if not alive <= holders:
+                still = alive & holders
+                for address in alive - still:
+                    matched[address] = depth
+                alive = still
+            depth += 1
+        for address in alive:
+            matched[address] = depth
         return matched
 
 
@@ -207,6 +217,12 @@ class PrefixCacheScorer:
     ) -> None:
         self.name = name
         self.params = params
+        self._hashes_key = (
+            f"{HASHES_KEY}/{params.block_size_tokens}/{params.chars_per_block()}"
+            f"/{params.max_prefix_blocks_to_match}"
+        )
+        """Where `block_keys` keeps the prompt's keys in `request.cache` (shared by the
+        scorers and filters that block the prompt the same way)."""
         self.routing = routing if routing is not None else RoutingState()
         """The pool's learned state, which owns this scorer's index (so it survives a picker
         reload) and tells scale-out about local insertions."""
@@ -256,8 +272,7 @@ class PrefixCacheScorer:
 
     def block_keys(self, request: LLMRequest) -> list[int]:
         p = self.params
-        cache_key = f"{HASHES_KEY}/{p.block_size_tokens}/{p.chars_per_block()}"
-        cache_key += f"/{p.max_prefix_blocks_to_match}"
+        cache_key = self._hashes_key
         cached = request.cache.get(cache_key)
         if cached is not None:
             keys: list[int] = cached
@@ -303,9 +318,13 @@ class PrefixCacheScorer:
         keys = self.block_keys(request)
         if not keys:
             return [0.0] * len(endpoints)
-        matched = self.index.match_lengths(keys, [e.address for e in endpoints])
-        total = len(keys)
-        scores = [matched[e.address] / total for e in endpoints]
+        if self.index.holds(keys[0]):
+            addresses = [e.endpoint.address for e in endpoints]
+            matched = self.index.match_lengths(keys, addresses)
+            total = len(keys)
+            scores = [matched[a] / total for a in addresses]
+        else:  # nobody holds the first block: nothing matches (no pass over the endpoints)
+            scores = [0.0] * len(endpoints)
         if self.params.cold_placement == "hash" and endpoints and not any(scores):
             first = keys[0].to_bytes(8, "little", signed=False)
             ranks = [xxhash.xxh3_64_intdigest(first + e.address.encode()) for e in endpoints]

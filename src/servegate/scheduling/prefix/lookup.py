@@ -106,39 +106,74 @@ def find_prefix_scorer(
     )
 
 
+class CycleMatch:
+    """One prefix scorer's scores in one cycle, shared by every plugin that reads them.
+
+    The affinity filter, the scorer itself and `no-hit-lru-scorer` all ask for the same
+    match, usually over the same endpoints the first of them was given (the filter passes
+    its input on unchanged when nothing is sticky); those get the scores back as they
+    are, after one comparison of the lists. Any other list (the filter's survivors) is
+    answered endpoint by endpoint from what was scored so far. `EndpointState` compares
+    and hashes by identity, so both run in C.
+    """
+
+    __slots__ = ("_by_state", "endpoints", "scores")
+
+    def __init__(self, endpoints: list[EndpointState], scores: Sequence[float]) -> None:
+        self.endpoints = list(endpoints)
+        self.scores = scores
+        self._by_state: dict[EndpointState, float] | None = None
+
+    def same_list(self, endpoints: list[EndpointState]) -> bool:
+        """Whether `endpoints` are the endpoints scored, in the same order."""
+        return endpoints == self.endpoints
+
+    def by_state(self) -> dict[EndpointState, float]:
+        """endpoint → score, for every endpoint scored this cycle."""
+        known = self._by_state
+        if known is None:
+            known = self._by_state = dict(zip(self.endpoints, self.scores, strict=True))
+        return known
+
+
+def _match_key(name: str) -> str:
+    return f"prefix-scores/{name}"
+
+
 def already_scored(
     cycle: CycleState, name: str, endpoints: list[EndpointState]
-) -> list[float] | None:
+) -> Sequence[float] | None:
     """The scores `prefix_scores` already computed this cycle for scorer `name`, when it
     covered every one of `endpoints` (a filter asked first: the scorer need not match the
     prompt again); else None."""
-    cached: dict[str, float] | None = cycle.data.get(f"prefix-scores/{name}")
-    if cached is None:
+    shared: CycleMatch | None = cycle.data.get(_match_key(name))
+    if shared is None:
         return None
-    out: list[float] = []
-    for state in endpoints:
-        score = cached.get(state.endpoint.address)
-        if score is None:
-            return None
-        out.append(score)
-    return out
+    if shared.same_list(endpoints):
+        return shared.scores
+    try:
+        return list(map(shared.by_state().__getitem__, endpoints))
+    except KeyError:
+        return None
 
 
 def prefix_scores(
     cycle: CycleState, scorer: Scorer, request: LLMRequest, endpoints: list[EndpointState]
 ) -> Sequence[float]:
-    """`scorer`'s scores for `endpoints`, computed once per cycle and shared."""
-    key = f"prefix-scores/{scorer.name}"
-    cached: dict[str, float] | None = cycle.data.get(key)
-    if cached is None:
+    """`scorer`'s scores for `endpoints`, computed once per cycle and shared (read-only)."""
+    key = _match_key(scorer.name)
+    shared: CycleMatch | None = cycle.data.get(key)
+    if shared is None:
         scores = scorer.score(cycle, request, endpoints)
-        cycle.data[key] = dict(zip([s.address for s in endpoints], scores, strict=True))
+        cycle.data[key] = CycleMatch(endpoints, scores)
         return scores
-    missing = [s for s in endpoints if s.address not in cached]
+    if shared.same_list(endpoints):
+        return shared.scores
+    known = shared.by_state()
+    missing = [s for s in endpoints if s not in known]
     if missing:
-        fresh = scorer.score(cycle, request, missing)
-        cached.update(zip([s.address for s in missing], fresh, strict=True))
-    return [cached[s.address] for s in endpoints]
+        known.update(zip(missing, scorer.score(cycle, request, missing), strict=True))
+    return list(map(known.__getitem__, endpoints))
 
 
 def find_prefix_producer(
