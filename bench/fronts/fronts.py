@@ -13,7 +13,8 @@ The replica URL comes from the environment, as the server owns the command line:
 
 `FRONT_WATCH=0` runs the RSGI request path without the disconnect watcher. The RSGI
 adapter serves the inference routes only (enough to measure the request path);
-the gateway starts on the first request, in the worker's event loop.
+the gateway starts in the worker's event loop before it serves (ASGI lifespan,
+`__rsgi_init__`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from multidict import CIMultiDict
 from servegate.config import GatewaySettings, ServegateConfig, load_config
 from servegate.control.errors import BodyTooLarge, NotFound, RequestTimeout
 from servegate.control.sink import Headers, send_error
+from servegate.gateway.inference import serve_inference
 from servegate.integrations.asgi_gateway import INFERENCE_KINDS, GatewayASGI
 
 
@@ -97,12 +99,20 @@ class GatewayRSGI:
         """Race the request with `client_disconnect` (as GatewayASGI does); `0` measures
         the floor without that second task (a client that leaves is then not noticed)."""
 
-    async def __rsgi__(self, scope: Any, protocol: Any) -> None:
-        from servegate.gateway.inference import serve_inference
+    def __rsgi_init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        """granian calls this in the worker, on the loop that will serve: the gateway's
+        scrapers and Director live there."""
+        loop.run_until_complete(self.host.start())
 
-        await self.host.start()
+    def __rsgi_del__(self, loop: asyncio.AbstractEventLoop) -> None:
+        loop.run_until_complete(self.host.stop())
+
+    async def __rsgi__(self, scope: Any, protocol: Any) -> None:
         gw = self.host.gateway
-        assert gw is not None
+        if gw is None:
+            await self.host.start()
+            gw = self.host.gateway
+            assert gw is not None
         client = scope.client
         sink = RsgiSink(protocol, client.rsplit(":", 1)[0] if client else None)
         kind = INFERENCE_KINDS.get(scope.path)
