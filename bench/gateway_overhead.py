@@ -71,6 +71,7 @@ FRONTS = {
     "granian-asgi": _GRANIAN % ("asgi", "asgi"),
     "granian-rsgi": _GRANIAN % ("rsgi", "rsgi"),
     "granian-rsgi-nowatch": "env FRONT_WATCH=0 " + _GRANIAN % ("rsgi", "rsgi"),
+    "granian-rsgi-callback": "env FRONT_WATCH=callback " + _GRANIAN % ("rsgi", "rsgi"),
     "uvicorn": (
         "env FRONT_ENDPOINT={backend} {python} -m uvicorn --loop uvloop --http httptools "
         "--no-access-log --log-level warning --app-dir bench/fronts --host 127.0.0.1 "

@@ -11,7 +11,8 @@ The replica URL comes from the environment, as the server owns the command line:
     FRONT_ENDPOINT=... uvicorn --loop uvloop --http httptools --no-access-log \\
         --app-dir bench/fronts --factory fronts:asgi_app
 
-`FRONT_WATCH=0` runs the RSGI request path without the disconnect watcher. The RSGI
+`FRONT_WATCH` (`task`, `callback`, `0`) chooses how the RSGI adapter notices a client
+that leaves (see `GatewayRSGI.watch`). The RSGI
 adapter serves the inference routes only (enough to measure the request path);
 the gateway starts in the worker's event loop before it serves (ASGI lifespan,
 `__rsgi_init__`).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Coroutine
 from typing import Any
 
 from multidict import CIMultiDict
@@ -95,9 +97,11 @@ class GatewayRSGI:
 
     def __init__(self, config: ServegateConfig) -> None:
         self.host = GatewayASGI(config)
-        self.watch = os.environ.get("FRONT_WATCH", "1") != "0"
-        """Race the request with `client_disconnect` (as GatewayASGI does); `0` measures
-        the floor without that second task (a client that leaves is then not noticed)."""
+        self.watch = os.environ.get("FRONT_WATCH", "task")
+        """How a client that leaves is noticed: `task` races the request, in a task of its
+        own, with `client_disconnect` (as GatewayASGI races `http.disconnect`); `callback`
+        cancels the request's own task from the disconnect future's callback; `0` does
+        not notice (a floor: the replica's request then runs to its end)."""
 
     def __rsgi_init__(self, loop: asyncio.AbstractEventLoop) -> None:
         """granian calls this in the worker, on the loop that will serve: the gateway's
@@ -138,21 +142,49 @@ class GatewayRSGI:
         serve = serve_inference(
             gw.director, sink, kind, scope.method, scope.path, headers, read_body
         )
-        if not self.watch:
+        if self.watch == "0":
             await serve
             return
-        work = asyncio.ensure_future(serve)
-        watch = asyncio.ensure_future(protocol.client_disconnect())
-        try:
-            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (work, watch):
-                task.cancel()
-            for task in (work, watch):
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        if self.watch == "callback":
+            await _cancelled_when_gone(serve, protocol.client_disconnect())
+        else:
+            await _raced_with(serve, protocol.client_disconnect())
         if sink.aborted:
             raise ConnectionResetError("the answer was cut off")
+
+
+async def _raced_with(serve: Coroutine[Any, Any, object], gone: Any) -> None:
+    """`serve` in a task of its own, cancelled when `gone` completes first."""
+    work = asyncio.ensure_future(serve)
+    watch = asyncio.ensure_future(gone)
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, watch):
+            task.cancel()
+        for task in (work, watch):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def _cancelled_when_gone(serve: Coroutine[Any, Any, object], gone: Any) -> None:
+    """`serve` in this task, cancelled by a callback on `gone` (granian's disconnect
+    future): no second task, as aiohttp cancels its handler."""
+    task = asyncio.current_task()
+    assert task is not None
+
+    def left(_: object) -> None:
+        task.cancel()
+
+    gone.add_done_callback(left)
+    try:
+        await serve
+    except asyncio.CancelledError:
+        if not gone.done() or task.uncancel():
+            raise
+    finally:
+        gone.remove_done_callback(left)
+        gone.cancel()
 
 
 def rsgi_app() -> GatewayRSGI:
