@@ -24,6 +24,14 @@ versions compare side by side:
         'baseline=env PYTHONPATH=/tmp/old/src {python} -m servegate.cli serve \\
         --endpoint {backend} --port {port}'
 
+`--fronts` adds servegate's request path behind other HTTP servers (`bench/fronts/`,
+run from the repository root; granian and uvicorn are not servegate dependencies:
+`.venv/bin/pip install granian==2.8.9 'uvicorn[standard]'`), and `--pin CORE` runs every
+gateway under `taskset -c CORE`, so CPU per request is one core's:
+
+    .venv/bin/python bench/gateway_overhead.py --concurrency 1,16 --requests 1500 \
+        --pin 1 --fronts granian-asgi,granian-rsgi,uvicorn
+
 At high concurrency the Python load generator itself saturates a core; compare rows
 at the same concurrency, not across concurrencies.
 """
@@ -54,6 +62,23 @@ from servegate.bench.workloads import BenchRequest, ChatMessage
 
 MODEL = "fast"
 DEFAULT_GATEWAY_CMD = "{servegate} serve --endpoint {backend} --port {port}"
+_GRANIAN = (
+    "env FRONT_ENDPOINT={backend} {python} -m granian --interface %s --workers 1 "
+    "--runtime-threads 1 --loop uvloop --no-ws --log-level warning --working-dir bench/fronts "
+    "--host 127.0.0.1 --port {port} --factory fronts:%s_app"
+)
+FRONTS = {
+    "granian-asgi": _GRANIAN % ("asgi", "asgi"),
+    "granian-rsgi": _GRANIAN % ("rsgi", "rsgi"),
+    "granian-rsgi-nowatch": "env FRONT_WATCH=0 " + _GRANIAN % ("rsgi", "rsgi"),
+    "granian-rsgi-callback": "env FRONT_WATCH=callback " + _GRANIAN % ("rsgi", "rsgi"),
+    "uvicorn": (
+        "env FRONT_ENDPOINT={backend} {python} -m uvicorn --loop uvloop --http httptools "
+        "--no-access-log --log-level warning --app-dir bench/fronts --host 127.0.0.1 "
+        "--port {port} --factory fronts:asgi_app"
+    ),
+}
+"""Server fronts over servegate's request path (`bench/fronts/fronts.py`), by name."""
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 LOOPBACK = "127.0.0.1"
 
@@ -352,6 +377,15 @@ def parse_named_command(value: str) -> tuple[str, str]:
     return name, template
 
 
+def parse_fronts(value: str) -> list[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [name for name in names if name not in FRONTS]
+    if unknown or not names:
+        named = ", ".join(unknown) if unknown else repr(value)
+        raise argparse.ArgumentTypeError(f"unknown front {named}; known: {', '.join(FRONTS)}")
+    return names
+
+
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop
     with contextlib.suppress(ImportError):
@@ -381,7 +415,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="NAME=TEMPLATE",
         help="another gateway to measure in the same rounds (repeatable)",
     )
+    parser.add_argument(
+        "--fronts",
+        type=parse_fronts,
+        default=[],
+        metavar="NAME[,NAME]",
+        help=f"servegate behind other servers, measured like --compare: {', '.join(FRONTS)}",
+    )
+    parser.add_argument(
+        "--pin", type=int, metavar="CORE", help="run each gateway under `taskset -c CORE`"
+    )
     args = parser.parse_args(argv)
+    args.compare += [(name, FRONTS[name]) for name in args.fronts]
+    if args.pin is not None:
+        pin = f"taskset -c {args.pin} "
+        args.gateway_cmd = pin + args.gateway_cmd
+        args.compare = [(name, pin + template) for name, template in args.compare]
     names = [name for name, _ in args.compare]
     if len(set(names)) != len(names):
         parser.error(f"--compare names must differ: {', '.join(names)}")

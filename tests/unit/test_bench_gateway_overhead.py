@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -118,3 +120,55 @@ def test_gateway_that_does_not_start_is_skipped_with_its_reason(
     assert "exited with code 3" in captured.err
     assert "| no | 1 | direct | 4 | 0 |" in captured.out
     assert "| gateway |" not in captured.out
+
+
+@pytest.mark.skipif(shutil.which("taskset") is None, reason="needs util-linux's taskset")
+def test_pin_runs_each_gateway_under_taskset(
+    overhead: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--gateway-cmd", STAND_IN, "--compare", f"other={STAND_IN}", "--pin", "0"]
+    code = overhead.main(
+        [*args, "--requests", "4", "--rounds", "1", "--concurrency", "1", "--stream", "no"]
+    )
+    assert code == 0
+    captured = capsys.readouterr()
+    assert "gateway: taskset -c 0 " in captured.err
+    assert "other: taskset -c 0 " in captured.err
+    assert "| no | 1 | other | 4 | 0 |" in captured.out
+
+
+def test_fronts_are_known_names(overhead: ModuleType) -> None:
+    assert overhead.parse_fronts("granian-rsgi, uvicorn") == ["granian-rsgi", "uvicorn"]
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown front nginx"):
+        overhead.parse_fronts("uvicorn,nginx")
+
+
+@pytest.mark.parametrize("front", ["granian-rsgi", "granian-asgi", "uvicorn"])
+def test_front_relays_answers_whole_and_streamed(
+    overhead: ModuleType, front: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip(front.split("-")[0])  # a benchmark subject, not a dependency
+    monkeypatch.chdir(SCRIPT.parents[1])  # the fronts' templates name bench/fronts
+    out = tmp_path / "rows.json"
+    code = overhead.main(
+        [
+            "--gateway-cmd",
+            STAND_IN,
+            "--fronts",
+            front,
+            "--requests",
+            "10",
+            "--rounds",
+            "1",
+            "--concurrency",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
+    assert code == 0
+    rows = [r for r in orjson.loads(out.read_bytes()) if r["path"] == front]
+    assert [(r["stream"], r["requests"], r["errors"]) for r in rows] == [
+        (False, 10, 0),
+        (True, 10, 0),
+    ]
