@@ -141,34 +141,3 @@ def test_fronts_are_known_names(overhead: ModuleType) -> None:
     assert overhead.parse_fronts("granian-rsgi, uvicorn") == ["granian-rsgi", "uvicorn"]
     with pytest.raises(argparse.ArgumentTypeError, match="unknown front nginx"):
         overhead.parse_fronts("uvicorn,nginx")
-
-
-@pytest.mark.parametrize("front", ["granian-rsgi", "granian-asgi", "uvicorn"])
-def test_front_relays_answers_whole_and_streamed(
-    overhead: ModuleType, front: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    pytest.importorskip(front.split("-")[0])  # a benchmark subject, not a dependency
-    monkeypatch.chdir(SCRIPT.parents[1])  # the fronts' templates name bench/fronts
-    out = tmp_path / "rows.json"
-    code = overhead.main(
-        [
-            "--gateway-cmd",
-            STAND_IN,
-            "--fronts",
-            front,
-            "--requests",
-            "10",
-            "--rounds",
-            "1",
-            "--concurrency",
-            "2",
-            "--json",
-            str(out),
-        ]
-    )
-    assert code == 0
-    rows = [r for r in orjson.loads(out.read_bytes()) if r["path"] == front]
-    assert [(r["stream"], r["requests"], r["errors"]) for r in rows] == [
-        (False, 10, 0),
-        (True, 10, 0),
-    ]
