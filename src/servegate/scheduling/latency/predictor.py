@@ -337,6 +337,33 @@ class LatencyPredictor:
         model.dispatched += 1
         return key
 
+    def learn_ttft(
+        self,
+        address: str,
+        prediction: Prediction,
+        ttft_ms: float,
+        uncached_tokens: int | None = None,
+    ) -> None:
+        """Learn the TTFT a request showed, as soon as it is known (its first byte): a
+        stream's end comes tokens later, and requests dispatched meanwhile should be
+        predicted with it. Call once per request; `completed` then gets `ttft_ms=None`.
+
+        `uncached_tokens`, when the engine reported its cached tokens, replaces the
+        estimate in the learned features, so the fit learns what prefill cost, not how
+        wrong the prefix estimate was.
+        """
+        if ttft_ms < MIN_LEARNED_MS:
+            return
+        model = self.model(address)
+        model.ttft_error.add(prediction.ttft_ms, ttft_ms)
+        x = prediction.features.ttft
+        if uncached_tokens is not None:  # the engine's count; the step term follows it
+            u = uncached_tokens / 1000.0
+            x = (*x[:1], u, x[2], x[3], x[3] * (u + x[2]), *x[5:])
+        self.pool_ttft.observe(x, ttft_ms)
+        model.ttft.observe(x, ttft_ms)
+        self._reprior()
+
     def completed(
         self,
         address: str,
@@ -346,28 +373,17 @@ class LatencyPredictor:
         tpot_ms: float | None,
         uncached_tokens: int | None = None,
     ) -> None:
-        """The request ended; learn the TTFT and TPOT it showed (None: not seen).
-
-        `uncached_tokens`, when the engine reported its cached tokens, replaces the
-        estimate in the learned TTFT features, so the fit learns what prefill cost, not
-        how wrong the prefix estimate was.
-        """
+        """The request ended; learn the TTFT (unless `learn_ttft` already did: None) and
+        TPOT it showed (None: not seen)."""
         model = self.model(address)
         model.pending.pop(key, None)
-        f = prediction.features
         if ttft_ms is not None and ttft_ms >= MIN_LEARNED_MS:
-            model.ttft_error.add(prediction.ttft_ms, ttft_ms)
-            x = f.ttft
-            if uncached_tokens is not None:  # the engine's count; the step term follows it
-                u = uncached_tokens / 1000.0
-                x = (*x[:1], u, x[2], x[3], x[3] * (u + x[2]), *x[5:])
-            self.pool_ttft.observe(x, ttft_ms)
-            model.ttft.observe(x, ttft_ms)
+            self.learn_ttft(address, prediction, ttft_ms, uncached_tokens)
         if tpot_ms is not None and tpot_ms >= MIN_LEARNED_MS:
+            f = prediction.features
             model.tpot_error.add(prediction.tpot_ms, tpot_ms)
             self.pool_tpot.observe(f.tpot, tpot_ms)
             model.tpot.observe(f.tpot, tpot_ms)
-        if ttft_ms is not None or tpot_ms is not None:
             self._reprior()
 
     def _reprior(self) -> None:
