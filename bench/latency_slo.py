@@ -55,7 +55,7 @@ from servegate.bench.client import RequestResult, send_request
 from servegate.bench.stats import percentile
 from servegate.bench.text import words
 from servegate.bench.workloads import BenchRequest
-from servegate.scheduling.latency.predictor import MIN_LEARNED_MS, LatencyPredictor
+from servegate.scheduling.latency.predictor import MIN_LEARNED_MS
 from servegate.testing.cluster import SimClusterProcess
 from servegate.testing.gateway import GatewayRunner
 
@@ -401,32 +401,11 @@ def plot(rows: list[Row], parts: int, path: str, args: argparse.Namespace) -> No
     fig.savefig(path, dpi=110)
 
 
-def trace_to(path: str) -> None:
-    """Append every learned observation (features at dispatch, what the engine showed,
-    the prediction) to `path` as JSON lines, to study the predictor offline."""
-    import json
-
-    out = open(path, "w")  # noqa: SIM115 - open for the whole run
-    learn = LatencyPredictor.completed
-
-    def completed(self: LatencyPredictor, address: str, key: int, prediction: Any,
-                  ttft_ms: float | None, tpot_ms: float | None,
-                  uncached_tokens: int | None = None) -> None:  # fmt: skip
-        f = prediction.features
-        row = {"predictor": id(self), "endpoint": address, "ttft_x": f.ttft, "tpot_x": f.tpot,
-               "uncached_est": f.uncached_tokens, "uncached": uncached_tokens,
-               "ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "pred_ttft_ms": prediction.ttft_ms,
-               "pred_tpot_ms": prediction.tpot_ms}  # fmt: skip
-        out.write(json.dumps(row) + "\n")
-        out.flush()
-        learn(self, address, key, prediction, ttft_ms, tpot_ms, uncached_tokens)
-
-    LatencyPredictor.completed = completed  # type: ignore[method-assign]
-
-
 async def main(args: argparse.Namespace) -> None:
     if args.trace:
-        trace_to(args.trace)
+        from latency_replay import record_to
+
+        record_to(args.trace)
     items = workload(args)
     rows = await run_policies(args.policy or list(DEFAULT_POLICIES), items, args)
     report(rows, items, args)
