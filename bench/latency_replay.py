@@ -37,10 +37,13 @@ class _Recorder:
     def __init__(self, out: IO[str]) -> None:
         self.out = out
         self.open: dict[tuple[int, int], dict[str, Any]] = {}
+        self.inputs: dict[int, dict[str, Any]] = {}
+        """What `predict` read, by `id(prediction)` (until `dispatched`)."""
         self.learned: dict[int, float] = {}
         """TTFTs learnt at the first byte, by `id(prediction)` (alive until `completed`)."""
 
     def install(self) -> None:
+        predict = LatencyPredictor.predict
         dispatched = LatencyPredictor.dispatched
         completed = LatencyPredictor.completed
         learn_ttft = LatencyPredictor.learn_ttft
@@ -53,16 +56,28 @@ class _Recorder:
             recorder.learned[id(prediction)] = ttft_ms
             learn_ttft(self, address, prediction, ttft_ms, uncached_tokens)
 
+        def on_predict(
+            self: LatencyPredictor, state: Any, prompt_tokens: int, prefix_match: float,
+            lora: str | None, now: float,
+        ) -> Prediction:  # fmt: skip
+            prediction = predict(self, state, prompt_tokens, prefix_match, lora, now)
+            m = state.metrics
+            recorder.inputs[id(prediction)] = {
+                "in_flight": state.in_flight_requests, "waiting": m.waiting,
+                "kv_usage": m.kv_usage, "prompt_tokens": prompt_tokens,
+                "prefix_match": prefix_match, "lora": lora,
+            }  # fmt: skip
+            return prediction
+
         def on_dispatched(
             self: LatencyPredictor, address: str, prediction: Prediction, now: float,
             first_token: Any = None,
         ) -> int:  # fmt: skip
             key = dispatched(self, address, prediction, now, first_token)
-            x = prediction.features.ttft
             recorder.open[id(self), key] = {
                 "predictor": id(self), "endpoint": address, "t": now,
-                "in_flight": x[3] + x[5], "waiting": x[6], "kv_usage": x[7],
-                "lora_miss": x[8], "uncached_est": prediction.features.uncached_tokens,
+                **recorder.inputs.pop(id(prediction), {}),
+                "uncached_est": prediction.features.uncached_tokens,
                 "pred_ttft_ms": prediction.ttft_ms, "pred_tpot_ms": prediction.tpot_ms,
                 "_first": first_token,
             }  # fmt: skip
@@ -90,6 +105,7 @@ class _Recorder:
             completed(self, address, key, prediction, ttft_ms, tpot_ms, uncached_tokens)
             recorder.learned.pop(id(prediction), None)  # `completed` learns through it too
 
+        LatencyPredictor.predict = on_predict  # type: ignore[method-assign]
         LatencyPredictor.dispatched = on_dispatched  # type: ignore[method-assign]
         LatencyPredictor.completed = on_completed  # type: ignore[method-assign]
         LatencyPredictor.learn_ttft = on_learn_ttft  # type: ignore[method-assign]
@@ -108,6 +124,7 @@ class _Metrics:
     waiting: float
     kv_usage: float
     lora: None = None
+    """Not recorded: a LoRA request replays as a miss."""
 
 
 @dataclass(slots=True)
@@ -197,7 +214,11 @@ def replay(
             state = _State(
                 _Endpoint(address), int(r["in_flight"]), _Metrics(r["waiting"], r["kv_usage"])
             )
-            p = predictor.predict(state, r["uncached_est"], 0.0, None, t)  # type: ignore[arg-type]
+            if "prompt_tokens" in r:
+                tokens, match, lora = r["prompt_tokens"], r["prefix_match"], r["lora"]
+            else:  # recorded before the inputs were: the estimate is what they gave
+                tokens, match, lora = r["uncached_est"], 0.0, None
+            p = predictor.predict(state, tokens, match, lora, t)  # type: ignore[arg-type]
             preds[i] = p
             keys[i] = predictor.dispatched(address, p, t, firsts[i])
             continue
