@@ -287,12 +287,13 @@ class _Collector(Collector):
         )
         observations = CounterMetricFamily(
             "servegate_latency_prediction_observations",
-            "Completed streams the predictor learned from, per endpoint.",
+            "Streams the predictor learned from, per endpoint (TTFT at the first byte, TPOT at the end).",
             labels=["endpoint", "target"],
         )
         backlog = GaugeMetricFamily(
             "servegate_latency_backlog_tokens",
-            "Uncached prompt tokens sent per endpoint whose prefill is not expected done yet.",
+            "Uncached prompt tokens sent per endpoint with no first token yet, each for the share "
+            "of its predicted prefill time still ahead.",
             labels=["endpoint"],
         )
         now = time.monotonic()
