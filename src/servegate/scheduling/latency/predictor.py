@@ -420,9 +420,10 @@ class LatencyPredictor:
         speed = model.ttft_speed
         if self.pool_ttft.effective_n >= SPEED_AFTER:  # after the pool learned something
             speed.add(ttft_ms, self.pool_ttft.predict(x), self.forgetting)
-        self.pool_ttft.observe(x, ttft_ms / speed.factor)
+        k = speed.factor
+        self.pool_ttft.observe(x, ttft_ms / k)
+        model.ttft.prior = _scaled(self.pool_ttft.theta, k)
         model.ttft.observe(x, ttft_ms)
-        self._reprior()
 
     def completed(
         self,
@@ -445,21 +446,18 @@ class LatencyPredictor:
             speed = model.tpot_speed
             if self.pool_tpot.effective_n >= SPEED_AFTER:
                 speed.add(tpot_ms, self.pool_tpot.predict(f.tpot), self.forgetting)
-            self.pool_tpot.observe(f.tpot, tpot_ms / speed.factor)
+            k = speed.factor
+            self.pool_tpot.observe(f.tpot, tpot_ms / k)
+            model.tpot.prior = _scaled(self.pool_tpot.theta, k)
             model.tpot.observe(f.tpot, tpot_ms)
-            self._reprior()
-
-    def _reprior(self) -> None:
-        """Point every endpoint's models at the pool-wide fit, times the endpoint's speed
-        relative to it, as their prior."""
-        ttft, tpot = self.pool_ttft.theta, self.pool_tpot.theta
-        for model in self.endpoints.values():
-            k = model.ttft_speed.factor
-            model.ttft.prior = [k * t for t in ttft] if k != 1.0 else ttft
-            k = model.tpot_speed.factor
-            model.tpot.prior = [k * t for t in tpot] if k != 1.0 else tpot
 
     def forget(self, addresses: Iterable[str]) -> None:
         """Drop endpoints that left the pool."""
         for address in addresses:
             self.endpoints.pop(address, None)
+
+
+def _scaled(theta: list[float], k: float) -> list[float]:
+    """An endpoint's prior: the pool-wide fit times the endpoint's speed (set just before
+    the endpoint's own fit is solved, the only time its prior is read)."""
+    return [k * t for t in theta] if k != 1.0 else theta
