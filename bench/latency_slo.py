@@ -4,6 +4,7 @@
     .venv/bin/python bench/latency_slo.py --requests 200 --policy default --policy slo
     .venv/bin/python bench/latency_slo.py --slow-factor 1 --policy default --policy slo
     .venv/bin/python bench/latency_slo.py --policy slo --trace /tmp/slo-trace.jsonl
+    .venv/bin/python bench/latency_replay.py /tmp/slo-trace.jsonl   # the predictor, offline
     flock /tmp/servegate-vllm.lock .venv-engine/bin/python bench/latency_slo.py --vllm 3 \
         --policy default --policy slo --doc-words 300 --requests 60 --rate-start 0.15 \
         --rate-end 0.8 --chat-ttft-ms 3000 --chat-tpot-ms 300 --rag-ttft-ms 10000 \
@@ -454,7 +455,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rag-tpot-ms", type=int, default=300)
     p.add_argument("--slices", type=int, default=6)
     p.add_argument("--plot", default=None)
-    p.add_argument("--trace", default=None, help="write every learned observation here (JSONL)")
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="record what the predictor saw here (JSONL) for bench/latency_replay.py",
+    )
     p.add_argument("--vllm", type=int, default=0, help="N real vLLM servers instead of simulators")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
