@@ -76,7 +76,7 @@ TTFT_SCALE = (1.0, 0.2, 1.0, 4.0, 2.0, 1.0, 1.0, 0.3, 0.2)
 per-token prior (40 ms per 1,000 tokens, a fast GPU's) counts as a 200-token prompt: the
 prior is weighted like a typical observation, 1/y² of short ones, and at 0.5 it outweighed
 the first long prompts of a slower engine (replayed over four recorded runs: mean TTFT
-MAPE 25.4 → 25.2 %, the `slo` run of the quietest 15.6 → 14.7 %)."""
+MAPE 25.4 → 25.2 %; one `slo` trace 15.6 → 14.7 %)."""
 TTFT_TYPICAL_MS = 100.0
 TPOT_PRIOR = (8.0, 0.3, 1.0, 1.0, 0.0, 0.0)
 TPOT_SCALE = (1.0, 4.0, 1.0, 1.0, 1.0, 0.3)
