@@ -4,6 +4,7 @@
     .venv/bin/python bench/latency_slo.py --requests 200 --policy default --policy slo
     .venv/bin/python bench/latency_slo.py --slow-factor 1 --policy default --policy slo
     .venv/bin/python bench/latency_slo.py --policy slo --trace /tmp/slo-trace.jsonl
+    .venv/bin/python bench/latency_replay.py /tmp/slo-trace.jsonl   # the predictor, offline
     flock /tmp/servegate-vllm.lock .venv-engine/bin/python bench/latency_slo.py --vllm 3 \
         --policy default --policy slo --doc-words 300 --requests 60 --rate-start 0.15 \
         --rate-end 0.8 --chat-ttft-ms 3000 --chat-tpot-ms 300 --rag-ttft-ms 10000 \
@@ -55,7 +56,7 @@ from servegate.bench.client import RequestResult, send_request
 from servegate.bench.stats import percentile
 from servegate.bench.text import words
 from servegate.bench.workloads import BenchRequest
-from servegate.scheduling.latency.predictor import MIN_LEARNED_MS, LatencyPredictor
+from servegate.scheduling.latency.predictor import MIN_LEARNED_MS
 from servegate.testing.cluster import SimClusterProcess
 from servegate.testing.gateway import GatewayRunner
 
@@ -401,32 +402,11 @@ def plot(rows: list[Row], parts: int, path: str, args: argparse.Namespace) -> No
     fig.savefig(path, dpi=110)
 
 
-def trace_to(path: str) -> None:
-    """Append every learned observation (features at dispatch, what the engine showed,
-    the prediction) to `path` as JSON lines, to study the predictor offline."""
-    import json
-
-    out = open(path, "w")  # noqa: SIM115 - open for the whole run
-    learn = LatencyPredictor.completed
-
-    def completed(self: LatencyPredictor, address: str, key: int, prediction: Any,
-                  ttft_ms: float | None, tpot_ms: float | None,
-                  uncached_tokens: int | None = None) -> None:  # fmt: skip
-        f = prediction.features
-        row = {"predictor": id(self), "endpoint": address, "ttft_x": f.ttft, "tpot_x": f.tpot,
-               "uncached_est": f.uncached_tokens, "uncached": uncached_tokens,
-               "ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "pred_ttft_ms": prediction.ttft_ms,
-               "pred_tpot_ms": prediction.tpot_ms}  # fmt: skip
-        out.write(json.dumps(row) + "\n")
-        out.flush()
-        learn(self, address, key, prediction, ttft_ms, tpot_ms, uncached_tokens)
-
-    LatencyPredictor.completed = completed  # type: ignore[method-assign]
-
-
 async def main(args: argparse.Namespace) -> None:
     if args.trace:
-        trace_to(args.trace)
+        from latency_replay import record_to
+
+        record_to(args.trace)
     items = workload(args)
     rows = await run_policies(args.policy or list(DEFAULT_POLICIES), items, args)
     report(rows, items, args)
@@ -475,7 +455,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rag-tpot-ms", type=int, default=300)
     p.add_argument("--slices", type=int, default=6)
     p.add_argument("--plot", default=None)
-    p.add_argument("--trace", default=None, help="write every learned observation here (JSONL)")
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="record what the predictor saw here (JSONL) for bench/latency_replay.py",
+    )
     p.add_argument("--vllm", type=int, default=0, help="N real vLLM servers instead of simulators")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(

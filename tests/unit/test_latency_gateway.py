@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -76,3 +77,34 @@ def test_nothing_is_learned_from_answers_that_do_not_show_the_predicted_ttft(
     model = routing.predictor.endpoints["a:1"]
     assert model.ttft_error.observations == 0
     assert not model.pending  # the backlog is released whatever happened
+
+
+def test_a_ttft_is_learned_before_the_next_decision_once_its_first_byte_is_relayed() -> None:
+    routing, req, decision = setup()
+    record, ticket = dispatch(routing, req, decision)
+    model = routing.predictor.endpoints["a:1"]
+    routing.learn_first_tokens()  # no first byte yet: nothing to learn
+    assert model.ttft_error.observations == 0
+    record.endpoint, record.status, record.stream = "a:1", 200, True
+    record.ttft_ms = 250.0  # the first byte, 200 ms after dispatch; the stream goes on
+    asyncio.run(routing.admit(req, 10.5, [decision.endpoint], None, random.Random(0)))  # type: ignore[arg-type]
+    assert model.ttft_error.observations == 1
+    assert model.ttft_error.mape == pytest.approx(abs(ticket.prediction.ttft_ms - 200.0) / 200.0)
+    assert not routing.awaiting_first_token
+    record.completion_tokens = 11
+    ticket.done(record, now=11.25)
+    assert model.ttft_error.observations == 1  # not learned twice
+    assert model.tpot_error.observations == 1
+    assert not model.pending
+
+
+def test_a_first_byte_that_does_not_show_the_predicted_ttft_is_left_to_the_end() -> None:
+    routing, req, decision = setup()
+    record, ticket = dispatch(routing, req, decision)
+    record.endpoint, record.status, record.stream = "b:1", 200, True  # a fallback served it
+    record.ttft_ms = 250.0
+    routing.learn_first_tokens()
+    assert not routing.awaiting_first_token  # looked at once, then no more
+    model = routing.predictor.endpoints["a:1"]
+    ticket.done(record, now=11.0)
+    assert model.ttft_error.observations == 0

@@ -7,7 +7,11 @@ import random
 import pytest
 
 from servegate.pool.endpoint import Endpoint, EndpointMetrics, EndpointState, LoraInfo
-from servegate.scheduling.latency.predictor import TTFT_PRIOR, LatencyPredictor
+from servegate.scheduling.latency.predictor import (
+    REMAINING_FLOOR,
+    TTFT_PRIOR,
+    LatencyPredictor,
+)
 
 
 def state(address: str, in_flight: int = 0, waiting: float = 0.0, kv: float = 0.0) -> EndpointState:
@@ -92,6 +96,63 @@ def test_backlog_counts_prompts_until_their_prefill_is_expected_done() -> None:
     assert not predictor.endpoints["a:1"].pending
 
 
+@pytest.mark.parametrize(
+    ("elapsed", "backlog"),
+    [
+        (0.0, 3.0),  # just sent: all 3,000 tokens ahead
+        (0.5, 1.5),  # half its predicted prefill time gone: half its tokens
+        (0.9, 3.0 * REMAINING_FLOOR),  # 0.1 left, but never under the floor share
+    ],
+    ids=["sent", "half", "nearly-done"],
+)
+def test_backlog_counts_the_share_of_each_prefill_still_ahead(
+    elapsed: float, backlog: float
+) -> None:
+    predictor = LatencyPredictor()
+    s = state("a:1")
+    p = predictor.predict(s, 3000, 0.0, None, now=10.0)
+    predictor.dispatched("a:1", p, now=10.0)
+    now = 10.0 + elapsed * p.ttft_ms / 1000.0
+    f = predictor.features(s, 100, 0.0, None, now=now)
+    assert f.ttft[2] == pytest.approx(backlog, rel=1e-3)
+    assert f.ttft[1] == pytest.approx(0.1 + backlog, rel=1e-3)  # prefill: own + backlog
+
+
+def test_a_backlog_is_costed_at_the_per_token_rate_own_prompts_taught() -> None:
+    predictor = LatencyPredictor()
+    rng = random.Random(3)
+    for _ in range(300):  # one request at a time: never a backlog
+        tokens = rng.randint(50, 4000)
+        p = predictor.predict(state("a:1"), tokens, 0.0, None, now=0.0)
+        key = predictor.dispatched("a:1", p, now=0.0)
+        predictor.completed("a:1", key, p, 20.0 + 500.0 * tokens / 1000, None)
+    p = predictor.predict(state("a:1"), 3000, 0.0, None, now=100.0)
+    predictor.dispatched("a:1", p, now=100.0)
+    # a 100-token prompt right behind a 3,000-token one: 20 + 500 x 3.1 = 1570 ms
+    behind = predictor.predict(state("a:1"), 100, 0.0, None, now=100.0).ttft_ms
+    assert behind == pytest.approx(1570.0, rel=0.1)
+
+
+def test_a_slower_endpoint_is_costed_as_slower_for_prompts_it_has_not_seen() -> None:
+    predictor = LatencyPredictor()
+    rng = random.Random(4)
+    for _ in range(400):
+        if rng.random() < 0.5:  # the fast one serves short and long prompts
+            address, tokens, slowdown = "fast:1", rng.randint(50, 4000), 1.0
+        else:  # the slow one, three times slower, only short ones
+            address, tokens, slowdown = "slow:1", rng.randint(50, 100), 3.0
+        p = predictor.predict(state(address), tokens, 0.0, None, now=0.0)
+        key = predictor.dispatched(address, p, now=0.0)
+        predictor.completed(address, key, p, slowdown * (20.0 + 100.0 * tokens / 1000), None)
+    # a 3,000-token prompt: 3 x (20 + 100 x 3) = 960 ms on the slow one, 320 on the fast;
+    # the speeds are still settling after 400 requests (without them: 341 ms, 1.07x)
+    assert predictor.endpoints["slow:1"].ttft_speed.factor > 1.4
+    slow = predictor.predict(state("slow:1"), 3000, 0.0, None, now=0.0).ttft_ms
+    fast = predictor.predict(state("fast:1"), 3000, 0.0, None, now=0.0).ttft_ms
+    assert fast == pytest.approx(320.0, rel=0.1)
+    assert slow > 1.4 * fast
+
+
 def test_backlog_ends_at_the_first_token_when_the_gateway_sees_it() -> None:
     class Record:
         ttft_ms: float | None = None
@@ -102,7 +163,10 @@ def test_backlog_ends_at_the_first_token_when_the_gateway_sees_it() -> None:
     record = Record()
     predictor.dispatched("a:1", p, now=10.0, first_token=record)
     late = 10.0 + p.ttft_ms / 1000.0 + 5.0  # long after the predicted end of prefill
-    assert predictor.features(s, 100, 0.0, None, now=late).ttft[2] == pytest.approx(3.0)
+    # still counted (at the floor share: under-predicted work is not done work)
+    assert predictor.features(s, 100, 0.0, None, now=late).ttft[2] == pytest.approx(
+        3.0 * REMAINING_FLOOR
+    )
     record.ttft_ms = 42.0
     assert predictor.features(s, 100, 0.0, None, now=10.0).ttft[2] == 0.0
 

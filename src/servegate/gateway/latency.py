@@ -8,9 +8,12 @@ Three calls from the request path (`app.py`), none inside the pure scheduling ca
 - `dispatch` (after the decision, before the prefix indexes learn it): the chosen
   endpoint's predicted TTFT/TPOT go into the access record (and the debug header),
   its in-flight prompt backlog grows; returns a `Ticket`.
+- `admit` also teaches the predictor the TTFT of every stream whose first byte was
+  relayed since (from dispatch to the first byte; `Ticket.learnable_ttft_ms`): learnt
+  then, before the next decision, not seconds later when the stream ends.
 - `Ticket.done` (when the request ends, whatever the outcome): the backlog shrinks
-  and a completed stream teaches the predictor its TTFT (from dispatch to the first
-  byte) and TPOT (the rest of the stream over the remaining completion tokens).
+  and a completed stream teaches the predictor its TPOT (the rest of the stream over
+  the remaining completion tokens), and its TTFT if that was not learnt yet.
 
 Accuracy and SLO outcomes are exported from the runtime's registry (`_Collector`).
 """
@@ -61,8 +64,8 @@ class Ticket:
     """One dispatched request's prediction, settled once by `done`."""
 
     __slots__ = (
-        "_done", "address", "dispatched_ms", "key", "owner", "prediction", "predictions", "slo",
-        "started",
+        "_done", "address", "dispatched_ms", "key", "learned_ttft_ms", "owner", "prediction",
+        "predictions", "record", "slo", "started",
     )  # fmt: skip
 
     def __init__(
@@ -75,8 +78,10 @@ class Ticket:
         started: float,
         dispatched_ms: float,
         predictions: Mapping[str, tuple[float, float]],
+        record: AccessRecord,
     ) -> None:
         self.owner = owner
+        self.record = record
         self.address = address
         self.key = key
         self.prediction = prediction
@@ -84,7 +89,36 @@ class Ticket:
         self.started = started
         self.dispatched_ms = dispatched_ms
         self.predictions = predictions
+        self.learned_ttft_ms: float | None = None
+        """The TTFT already taught to the predictor (once: never again at `done`)."""
         self._done = False
+
+    @property
+    def learnable_ttft_ms(self) -> float | None:
+        """The engine-side TTFT (dispatch to first byte) once the record shows a first
+        streamed byte from the predicted endpoint in a successful answer; else None."""
+        r = self.record
+        if (
+            r.ttft_ms is None
+            or not r.stream
+            or r.status != 200
+            or r.error is not None
+            or r.endpoint != self.address
+            or r.prefill_endpoint is not None
+        ):
+            return None
+        return max(0.0, r.ttft_ms - self.dispatched_ms)
+
+    def first_token(self) -> bool:
+        """Teach the TTFT if it is known now; True once the ticket needs no more looks."""
+        if self._done or self.learned_ttft_ms is not None:
+            return True
+        ttft = self.learnable_ttft_ms
+        if ttft is None:
+            return self.record.ttft_ms is not None  # a first byte that teaches nothing
+        self.learned_ttft_ms = ttft
+        self.owner.predictor.learn_ttft(self.address, self.prediction, ttft)
+        return True
 
     def debug(self, headers: dict[str, str]) -> None:
         """Add the debug header: every scored candidate's predictions and the chosen one's."""
@@ -106,6 +140,7 @@ class Ticket:
         if self._done:
             return
         self._done = True
+        self.owner.awaiting_first_token.pop(self.key, None)
         ttft: float | None = None
         tpot: float | None = None
         served_here = record.endpoint == self.address
@@ -122,6 +157,8 @@ class Ticket:
         uncached = None
         if record.prompt_tokens is not None and record.cached_tokens is not None:
             uncached = max(0, record.prompt_tokens - record.cached_tokens)
+        if self.learned_ttft_ms is not None:
+            ttft = None
         self.owner.predictor.completed(
             self.address,
             self.key,
@@ -150,6 +187,8 @@ class LatencyRouting:
         self.shed = 0
         self.admitted_after_wait = 0
         self.slo_outcomes: Counter[tuple[str, str]] = Counter()
+        self.awaiting_first_token: dict[int, Ticket] = {}
+        """Dispatched streams whose TTFT is not learnt yet, by predictor key."""
         if registry is not None:
             registry.register(_Collector(self))
 
@@ -169,6 +208,7 @@ class LatencyRouting:
         current when it was admitted after waiting.
         """
         request.cache[ARRIVED_KEY] = started
+        self.learn_first_tokens()
         admitter = self.admitter
         if admitter is None:
             return None
@@ -190,6 +230,14 @@ class LatencyRouting:
         self.shed += 1
         raise SloUnattainable(verdict.reason)
 
+    def learn_first_tokens(self) -> None:
+        """Teach the predictor every TTFT relayed since the last call (before a decision)."""
+        awaiting = self.awaiting_first_token
+        if awaiting:
+            settled = [key for key, ticket in awaiting.items() if ticket.first_token()]
+            for key in settled:
+                del awaiting[key]
+
     def dispatch(
         self,
         request: LLMRequest,
@@ -210,10 +258,12 @@ class LatencyRouting:
         record.slo_ttft_ms = slo.ttft_ms
         record.slo_tpot_ms = slo.tpot_ms
         key = self.predictor.dispatched(state.endpoint.address, prediction, cycle.now, record)
-        return Ticket(
+        ticket = Ticket(
             self, state.endpoint.address, key, prediction, slo, started, dispatched_ms,
-            dict(memo) if isinstance(memo, dict) else {},
+            dict(memo) if isinstance(memo, dict) else {}, record,
         )  # fmt: skip
+        self.awaiting_first_token[key] = ticket
+        return ticket
 
     def count_slo(self, slo: Slo, ttft_ms: float | None, tpot_ms: float | None) -> None:
         if slo.ttft_ms is not None:
@@ -237,12 +287,13 @@ class _Collector(Collector):
         )
         observations = CounterMetricFamily(
             "servegate_latency_prediction_observations",
-            "Completed streams the predictor learned from, per endpoint.",
+            "Streams the predictor learned from, per endpoint (TTFT at the first byte, TPOT at the end).",
             labels=["endpoint", "target"],
         )
         backlog = GaugeMetricFamily(
             "servegate_latency_backlog_tokens",
-            "Uncached prompt tokens sent per endpoint whose prefill is not expected done yet.",
+            "Uncached prompt tokens sent per endpoint with no first token yet, each for the share "
+            "of its predicted prefill time still ahead.",
             labels=["endpoint"],
         )
         now = time.monotonic()
