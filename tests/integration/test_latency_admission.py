@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from servegate.gateway.latency import DEBUG_HEADER
+from servegate.scheduling.latency.predictor import MIN_LEARNED_MS
 from servegate.testing.cluster import SimCluster
 from servegate.testing.gateway import GatewayRunner
 from tests.integration.conftest import (
@@ -164,7 +165,14 @@ async def test_streams_teach_the_predictor_and_show_in_the_log_and_debug_header(
             assert line["tpot_ms"] is not None and line["tpot_ms"] > 0
         predictor = gw.gateway.default.state.latency
         learned = sum(m.ttft_error.observations for m in predictor.endpoints.values())
-        assert learned == 6
+        # Every stream teaches its TTFT, except one whose first byte came within
+        # MIN_LEARNED_MS of dispatch (the fast simulator's first chunk can): read from the
+        # log, with the log's 3-decimal rounding either way.
+        shown = [line["ttft_ms"] - line["dispatched_ms"] for line in lines]
+        surely = sum(ttft >= MIN_LEARNED_MS + 0.001 for ttft in shown)
+        maybe = sum(ttft >= MIN_LEARNED_MS - 0.001 for ttft in shown)
+        assert surely <= learned <= maybe
+        assert learned >= 1
         assert predictor.pool_ttft.effective_n > 0
         assert all(not m.pending for m in predictor.endpoints.values())
         page = (await (await session.get(gw.url + "/metrics")).read()).decode()
