@@ -306,10 +306,14 @@ class Proxy:
         url = (base_url or state.endpoint.url) + path
         settings = self._settings
         try:
-            async with asyncio.timeout(settings.first_byte_timeout_s):
-                return await self._transport.post(
-                    url, body, headers, settings.total_timeout_s, settings.connect_timeout_s
-                )
+            return await self._transport.post(
+                url,
+                body,
+                headers,
+                settings.total_timeout_s,
+                settings.connect_timeout_s,
+                settings.first_byte_timeout_s,
+            )
         except TimeoutError as exc:
             self._failed(state, "timeout")
             raise UpstreamTimeout(f"endpoint {state.address} did not answer in time") from exc
