@@ -192,9 +192,14 @@ def usage_from_sse_tail(tail: bytes) -> Usage | None:
     return None
 
 
+NO_TOKENS: frozenset[str] = frozenset()
+
+
 def connection_tokens(headers: Mapping[str, str]) -> frozenset[str]:
     """The header names a `Connection` header lists: hop-by-hop too (RFC 9110 §7.6.1)."""
-    value = headers.get("Connection") or headers.get("connection") or ""
+    value = headers.get("Connection") or headers.get("connection")
+    if not value:
+        return NO_TOKENS
     return frozenset(t.strip().lower() for t in value.split(",") if t.strip())
 
 
