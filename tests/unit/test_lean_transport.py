@@ -97,7 +97,7 @@ def answering(*answers: bytes, close: bool = True) -> Handler:
 async def post(transport: LeanTransport, url: str, **kw: float | None) -> LeanResponse:
     return await transport.post(
         url, b'{"x": 1}', {"Content-Type": "application/json"},
-        kw.get("total_s", 10.0), kw.get("connect_s", 5.0),
+        kw.get("total_s", 10.0), kw.get("connect_s", 5.0), kw.get("head_s"),
     )  # fmt: skip
 
 
@@ -263,6 +263,43 @@ async def test_total_s_bounds_the_body_too() -> None:
         response = await post(transport, base + "/", total_s=0.3)
         assert await response.content.readany() == b"only some"
         with pytest.raises(TimeoutError):
+            await response.content.readany()
+        response.close()
+
+
+async def test_no_head_within_head_s_is_a_timeout_before_total_s() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+        writer.close()
+
+    async with raw_server(silent) as base, lean() as transport:
+        with pytest.raises(TimeoutError, match="first-byte"):
+            await post(transport, base + "/", head_s=0.1, total_s=30.0)
+
+
+async def test_a_body_may_outlast_head_s_once_the_head_came() -> None:
+    async def slow_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nfirst")
+        await writer.drain()
+        await asyncio.sleep(0.4)
+        writer.write(b"end")
+        await writer.drain()
+        await reader.read()
+        writer.close()
+
+    async with raw_server(slow_body) as base, lean() as transport:
+        response = await post(transport, base + "/", head_s=0.1, total_s=30.0)
+        assert await read_all(response) == b"firstend"
+        response.release()
+
+
+async def test_total_s_still_bounds_the_body_after_head_s() -> None:
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly some"
+    async with raw_server(answering(answer, close=False)) as base, lean() as transport:
+        response = await post(transport, base + "/", head_s=0.1, total_s=0.4)
+        assert await response.content.readany() == b"only some"
+        with pytest.raises(TimeoutError, match="total"):
             await response.content.readany()
         response.close()
 

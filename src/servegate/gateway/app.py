@@ -221,6 +221,8 @@ async def _read_body(settings: GatewaySettings, request: web.Request) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
     try:
+        if request.content.is_eof():  # all of it arrived with the head: no timer to arm
+            return await request.read()
         async with asyncio.timeout(settings.body_timeout_s):
             return await request.read()
     except web.HTTPRequestEntityTooLarge as exc:

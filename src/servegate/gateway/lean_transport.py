@@ -33,6 +33,7 @@ tokenizers' `/tokenize`), as the seam's `session` says.
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import socket
 import ssl
@@ -87,6 +88,7 @@ class LeanResponse:
         "_conn",
         "_error",
         "_head",
+        "_then",
         "_timer",
         "_waiter",
         "content_length",
@@ -108,6 +110,9 @@ class LeanResponse:
         self._head: asyncio.Future[None] = loop.create_future()
         self._conn: _Connection | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._then: float | None = None
+        """When `_timer` stands for the first-byte deadline: the total one to arm if the head
+        came in time (`inf`: none). One timer per exchange, not one more per deadline."""
 
     @property
     def content(self) -> LeanResponse:
@@ -159,9 +164,18 @@ class LeanResponse:
             waiter.set_result(None)
 
     def _expire(self) -> None:
-        """`total_s` has passed: the exchange fails and its connection goes."""
+        """A deadline passed: `head_s` before the head, or `total_s`. The exchange fails and
+        its connection goes; a first-byte deadline after the head only arms the total one."""
         self._timer = None
-        self._fail(TimeoutError("the upstream exchange exceeded its total timeout"))
+        then, self._then = self._then, None
+        if then is not None:
+            if self._head.done():
+                if then != math.inf:
+                    self._timer = self._head.get_loop().call_at(then, self._expire)
+                return
+            self._fail(TimeoutError("the upstream sent no answer within its first-byte timeout"))
+        else:
+            self._fail(TimeoutError("the upstream exchange exceeded its total timeout"))
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.abort()
@@ -544,9 +558,10 @@ class LeanTransport:
         headers: Mapping[str, str],
         total_s: float | None,
         connect_s: float | None,
+        head_s: float | None = None,
     ) -> Coroutine[object, object, LeanResponse]:
-        """The coroutine itself (no task per attempt)."""
-        return self._post(url, body, headers, total_s, connect_s)
+        """The coroutine itself (no task per attempt); `head_s` shares the total's timer."""
+        return self._post(url, body, headers, total_s, connect_s, head_s)
 
     async def _post(
         self,
@@ -555,23 +570,28 @@ class LeanTransport:
         headers: Mapping[str, str],
         total_s: float | None,
         connect_s: float | None,
+        head_s: float | None,
     ) -> LeanResponse:
         loop = self._loop
         if loop is None:
             raise aiohttp.ClientConnectionError("the gateway is not running")
         origin, path = self._route(loop, url)
         request = _request(origin, path, body, headers)
-        deadline = None if total_s is None else loop.time() + total_s
+        now = loop.time()
+        total_at = math.inf if total_s is None else now + total_s
+        deadline = total_at if head_s is None else min(total_at, now + head_s)
         response = LeanResponse(loop)
-        if deadline is not None:
+        if deadline != math.inf:
             response._timer = loop.call_at(deadline, response._expire)
+            if deadline < total_at:
+                response._then = total_at
         fresh = False
         try:
             while True:
                 conn = None if fresh else origin.idle_connection()
                 if conn is None:
                     timeout = connect_s
-                    if deadline is not None:
+                    if deadline != math.inf:
                         left = deadline - loop.time()
                         timeout = left if timeout is None else min(timeout, left)
                     conn = await origin.connect(timeout)
@@ -586,8 +606,10 @@ class LeanTransport:
                         raise
                     fresh = True
                     timer, response._timer = response._timer, None
+                    then = response._then
                     response = LeanResponse(loop)
                     response._timer = timer
+                    response._then = then
                     if timer is not None:
                         timer.cancel()
                         response._timer = loop.call_at(timer.when(), response._expire)

@@ -101,6 +101,8 @@ REQUEST_DROP = frozenset({"content-encoding"})
 RESPONSE_DROP = HOP_BY_HOP | {"date", "server"}
 FORWARDING_HEADERS = frozenset({"x-forwarded-for", "forwarded"})
 """Rebuilt by the gateway with the client's address appended."""
+NOT_FORWARDED = HOP_BY_HOP | ROUTING_HEADERS | REQUEST_DROP | FORWARDING_HEADERS
+"""Never copied as they came (the forwarding pair is rebuilt): one lookup per header."""
 UPSTREAM_DROP = frozenset(
     {
         "set-cookie",
@@ -124,6 +126,8 @@ UPSTREAM_DROP = frozenset(
 `access-control-*`, Alt-Svc) for the gateway's origin are the gateway's to set, not a
 replica's; nor the headers the gateway itself sets (routing, flow control, the session
 token), which a replica could otherwise forge."""
+NOT_RELAYED = RESPONSE_DROP | UPSTREAM_DROP
+
 RETRY_STATUSES = frozenset({502, 503})
 
 
@@ -188,9 +192,14 @@ def usage_from_sse_tail(tail: bytes) -> Usage | None:
     return None
 
 
+NO_TOKENS: frozenset[str] = frozenset()
+
+
 def connection_tokens(headers: Mapping[str, str]) -> frozenset[str]:
     """The header names a `Connection` header lists: hop-by-hop too (RFC 9110 §7.6.1)."""
-    value = headers.get("Connection") or headers.get("connection") or ""
+    value = headers.get("Connection") or headers.get("connection")
+    if not value:
+        return NO_TOKENS
     return frozenset(t.strip().lower() for t in value.split(",") if t.strip())
 
 
@@ -205,22 +214,26 @@ def forward_headers(
     are the client's own word."""
     out = {}
     named = connection_tokens(incoming)
+    chain: list[str] = []
+    forwarded: list[str] = []
     for name, value in incoming.items():
         lower = name.lower()
-        if lower in HOP_BY_HOP or lower in ROUTING_HEADERS or lower in REQUEST_DROP:
-            continue
-        if lower in named or lower in FORWARDING_HEADERS:
+        if lower in NOT_FORWARDED or lower in named:
+            if lower == "x-forwarded-for":
+                chain.append(value)
+            elif lower == "forwarded":
+                forwarded.append(value)
             continue
         if strip_authorization and lower == "authorization":
             continue
         out[name] = value
     if client:
-        chain = [v for k, v in incoming.items() if k.lower() == "x-forwarded-for"]
-        out["X-Forwarded-For"] = ", ".join([*chain, client])
-        forwarded = [v for k, v in incoming.items() if k.lower() == "forwarded"]
+        chain.append(client)
+        out["X-Forwarded-For"] = ", ".join(chain)
         if forwarded:
             node = f'"[{client}]"' if ":" in client else client
-            out["Forwarded"] = ", ".join([*forwarded, f"for={node}"])
+            forwarded.append(f"for={node}")
+            out["Forwarded"] = ", ".join(forwarded)
     out["X-Request-ID"] = request_id
     return out
 
@@ -232,7 +245,7 @@ def response_headers(upstream: CIMultiDictProxy[str]) -> CIMultiDict[str]:
     named = connection_tokens(upstream)
     for name, value in upstream.items():
         lower = name.lower()
-        if lower in RESPONSE_DROP or lower in UPSTREAM_DROP or lower in named:
+        if lower in NOT_RELAYED or lower in named:
             continue
         if lower.startswith("access-control-"):
             continue
@@ -298,10 +311,14 @@ class Proxy:
         url = (base_url or state.endpoint.url) + path
         settings = self._settings
         try:
-            async with asyncio.timeout(settings.first_byte_timeout_s):
-                return await self._transport.post(
-                    url, body, headers, settings.total_timeout_s, settings.connect_timeout_s
-                )
+            return await self._transport.post(
+                url,
+                body,
+                headers,
+                settings.total_timeout_s,
+                settings.connect_timeout_s,
+                settings.first_byte_timeout_s,
+            )
         except TimeoutError as exc:
             self._failed(state, "timeout")
             raise UpstreamTimeout(f"endpoint {state.address} did not answer in time") from exc

@@ -13,6 +13,7 @@ left); the proxy translates those into `errors.py` types.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Protocol
 
@@ -78,9 +79,11 @@ class UpstreamTransport(Protocol):
         headers: Mapping[str, str],
         total_s: float | None,
         connect_s: float | None,
+        head_s: float | None = None,
     ) -> Awaitable[UpstreamResponse]:
         """Send `body` to `url`; the answer once its status line and headers arrived.
-        Never follows redirects."""
+        Never follows redirects. `head_s`: the head's deadline (a `TimeoutError` after it),
+        the first-byte timeout, which a transport can keep on the timer it has anyway."""
         ...
 
 
@@ -118,8 +121,9 @@ class AiohttpTransport:
         headers: Mapping[str, str],
         total_s: float | None,
         connect_s: float | None,
+        head_s: float | None = None,
     ) -> Awaitable[UpstreamResponse]:
-        """aiohttp's own awaitable (no coroutine of ours around it: this is per attempt)."""
+        """aiohttp's own awaitable (no coroutine of ours around it without `head_s`)."""
         session = self.session
         if session is None:
             raise aiohttp.ClientConnectionError("the gateway is not running")
@@ -127,7 +131,7 @@ class AiohttpTransport:
         if timeout is None:
             timeout = aiohttp.ClientTimeout(total=total_s, sock_connect=connect_s)
             self._timeouts[(total_s, connect_s)] = timeout
-        return session.post(
+        request = session.post(
             url,
             data=body,
             headers=headers,
@@ -135,3 +139,9 @@ class AiohttpTransport:
             allow_redirects=False,
             skip_auto_headers=NO_AUTO_HEADERS,
         )
+        return request if head_s is None else _within(head_s, request)
+
+
+async def _within(seconds: float, answer: Awaitable[UpstreamResponse]) -> UpstreamResponse:
+    async with asyncio.timeout(seconds):
+        return await answer

@@ -145,6 +145,7 @@ class InMemoryTransport:
         headers: Mapping[str, str],
         total_s: float | None,
         connect_s: float | None,
+        head_s: float | None = None,
     ) -> InMemoryResponse:
         sent = Sent(url, body, dict(headers))
         self.sent.append(sent)
@@ -153,7 +154,8 @@ class InMemoryTransport:
             raise aiohttp.ClientConnectionError(f"nothing listens on {sent.address}")
         reply = script.pop(0) if len(script) > 1 else script[0]
         if reply.delay_s:
-            await asyncio.sleep(reply.delay_s)
+            async with asyncio.timeout(head_s):
+                await asyncio.sleep(reply.delay_s)
         if reply.refuse:
             raise aiohttp.ClientConnectionError(f"{sent.address} refused the connection")
         response = InMemoryResponse(reply)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 
@@ -21,6 +21,7 @@ from servegate.tokenization.sources import (
     TOKEN_IDS_KEY,
     AsyncTokenizer,
     EngineTokenizer,
+    LocalTokenizer,
     Source,
     TokenizeStats,
     local_ids,
@@ -38,6 +39,9 @@ class RoutingTokenizers:
     ) -> None:
         self.stats = TokenizeStats()
         self._built: dict[int, Source | None] = {}
+        self._async: dict[int, AsyncTokenizer] = {}
+        """The sources that may do I/O, by `id`: checked once here, not per request (an
+        `isinstance` against a runtime-checkable Protocol walks its members each time)."""
         self._default = self._build(default)
         self._models = {m: self._build(s) for m, s in (per_model or {}).items()}
 
@@ -52,6 +56,9 @@ class RoutingTokenizers:
                 self._built[key] = AutoTokenizer(settings, self.stats)
             else:
                 self._built[key] = local_tokenizer(settings.source, settings.path)
+            built = self._built[key]
+            if not isinstance(built, EngineTokenizer) and isinstance(built, AsyncTokenizer):
+                self._async[id(built)] = built
         return self._built[key]
 
     @property
@@ -111,17 +118,18 @@ class RoutingTokenizers:
         if tok is None:
             return
         stats = self.stats
+        slow = self._async.get(id(tok))
         if isinstance(tok, EngineTokenizer):
             ids = await tok.ids(request, candidates, stats)
-        elif isinstance(tok, AsyncTokenizer):
-            ids = await tok.ids(request, candidates)
+        elif slow is not None:
+            ids = await slow.ids(request, candidates)
             if ids is not None and request.cache.get("token_ids_partial"):
                 request.cache[TOKEN_IDS_KEY] = ids
                 stats.requests += 1
                 return
         else:
             t0 = time.perf_counter_ns()
-            ids = local_ids(tok, request)
+            ids = local_ids(cast(LocalTokenizer, tok), request)  # neither of the others
             stats.local_ns += time.perf_counter_ns() - t0
         if ids is not None:
             request.cache[TOKEN_IDS_KEY] = ids
