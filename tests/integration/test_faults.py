@@ -155,6 +155,9 @@ class Load:
 async def test_chaos_slow_hang_kill_one_replica_under_load() -> None:
     async with SimCluster(3, base=CHAOS_SIM) as cluster:
         cfg = resilient_config(cluster.urls)
+        # A healthy replica's first byte stays well under this on a loaded 2-core machine
+        # (at 0.5 s a fallback occasionally timed out too); the hang (1.5 s) still exceeds it.
+        cfg["gateway"]["first_byte_timeout_s"] = 1.0
         cfg["pool"]["health"] = {"interval_s": 0.1, "timeout_s": 0.3, "failure_threshold": 2}
         async with (
             GatewayRunner(cfg) as gw,
