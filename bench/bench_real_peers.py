@@ -43,12 +43,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,15 +57,15 @@ from typing import Any
 import aiohttp
 
 from bench_real_cache_routing import WORDS, _counters, _delta, reset_prefix_caches
+from peer_routers import peer_router
 from servegate.bench.gateway_process import GatewayProcess
 from servegate.bench.policies import picker_config
 from servegate.testing.tinymodel import build_tiny_model
-from servegate.testing.vllm_cluster import ClusterSettings, VllmCluster, free_port
+from servegate.testing.vllm_cluster import ClusterSettings, VllmCluster
 
 MODEL = "tiny"
 TARGETS = ("round-robin", "servegate", "vllm-router", "sglang-router", "oracle")
 COUNTER_TIMEOUT_S = 60.0
-ROUTER_START_S = 90.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,51 +232,6 @@ async def measure(
     )
 
 
-@contextlib.asynccontextmanager
-async def peer_router(
-    kind: str, peers: Path, urls: Sequence[str], workdir: Path
-) -> Any:  # AsyncIterator[str]
-    port = free_port()
-    if kind == "vllm-router":
-        cmd = [str(peers / "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
-               "--policy", "cache_aware", "--worker-urls", *urls]  # fmt: skip
-    else:
-        cmd = [str(peers / "sglang-router"), "launch", "--host", "127.0.0.1",
-               "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls]  # fmt: skip
-    log_path = workdir / f"{kind}.log"
-    with log_path.open("wb") as log:
-        proc = await asyncio.create_subprocess_exec(
-            *cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=os.environ
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + ROUTER_START_S
-        async with aiohttp.ClientSession() as session:
-            while True:
-                if proc.returncode is not None:
-                    raise RuntimeError(f"{kind} exited: {log_path.read_text()[-2000:]}")
-                with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
-                    body = {"model": MODEL, "prompt": "ready?", "max_tokens": 1}
-                    async with session.post(
-                        url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=5)
-                    ) as resp:
-                        if resp.status == 200:
-                            break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{kind} not ready: {log_path.read_text()[-2000:]}")
-                await asyncio.sleep(0.5)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), 10)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-
-
 STICKY_SATURATED: dict[str, Any] = {
     "apiVersion": "llm-d.ai/v1alpha1",
     "kind": "EndpointPickerConfig",
@@ -349,7 +301,7 @@ async def run_target(
     if target in ("vllm-router", "sglang-router"):
         if peers is None:
             return None
-        async with peer_router(target, peers, urls, workdir) as url:
+        async with peer_router(target, peers, urls, workdir, MODEL) as url:
             await reset_prefix_caches(session, urls)
             return await measure(session, name, target, items, lambda _: url, urls, concurrency)
     config = servegate_config(target, urls)

@@ -3,6 +3,8 @@
     .venv/bin/python bench/latency_slo.py --plot docs/img/latency-slo.png   # documented run
     .venv/bin/python bench/latency_slo.py --requests 200 --policy default --policy slo
     .venv/bin/python bench/latency_slo.py --slow-factor 1 --policy default --policy slo
+    .venv/bin/python bench/latency_slo.py --policy default --policy slo \
+        --policy vllm-router --policy sglang-router   # the peers, from --peers
     .venv/bin/python bench/latency_slo.py --policy slo --trace /tmp/slo-trace.jsonl
     .venv/bin/python bench/latency_replay.py /tmp/slo-trace.jsonl   # the predictor, offline
     flock /tmp/servegate-vllm.lock .venv-engine/bin/python bench/latency_slo.py --vllm 3 \
@@ -29,12 +31,18 @@ them one after the other). Workload (seeded):
   (`VllmCluster`, the tiny model of shared/REAL_VLLM.md) shared by the policies, which
   then run one after the other, every prefix cache reset before each.
 
+`vllm-router` and `sglang-router` are the peer routers (`--peers`: the folder holding
+their executables, `.venv-peers/bin` of the repository by default) started in front of
+their own replicas the same way with their `cache_aware` policy (`peer_routers.py`,
+shared with `bench_real_peers.py`); they ignore the SLO and objective headers, shed
+nothing, and have no predictor.
+
 Reported per policy: SLO attainment per class (a request attains its SLO when it
 completed with TTFT and mean inter-token time within both objectives; a shed
 request does not), goodput (requests/s that attained), p50/p99 TTFT per class (served
 requests, client side), requests shed (429), and the predictor's MAPE on this run's
 completed streams (engine-side TTFT and TPOT against what it predicted at dispatch,
-from the access log; the predictor learns under every policy).
+from the access log; the predictor learns under every servegate policy; n/a for a peer).
 """
 
 from __future__ import annotations
@@ -45,13 +53,16 @@ import contextlib
 import platform
 import random
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from peer_routers import PEERS, missing_peers, peer_router
 from servegate.bench.client import RequestResult, send_request
 from servegate.bench.stats import percentile
 from servegate.bench.text import words
@@ -60,6 +71,7 @@ from servegate.scheduling.latency.predictor import MIN_LEARNED_MS
 from servegate.testing.cluster import SimClusterProcess
 from servegate.testing.gateway import GatewayRunner
 
+REPO = Path(__file__).resolve().parent.parent
 MODEL = "sim-model"
 VLLM_MODEL = "tiny"
 HEAD = {"apiVersion": "llm-d.ai/v1alpha1", "kind": "EndpointPickerConfig"}
@@ -157,6 +169,15 @@ class Item:
 
 
 @dataclass(frozen=True)
+class Front:
+    """Where one policy's traffic goes, and the access log its predictor's error is read
+    from (a peer keeps none)."""
+
+    url: str
+    access: Callable[[], list[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
 class Row:
     policy: str
     items: list[Item]
@@ -205,8 +226,9 @@ def attained(item: Item, result: RequestResult) -> bool:
 
 async def start_policy(
     name: str, args: argparse.Namespace, stack: contextlib.AsyncExitStack
-) -> GatewayRunner:
-    """Fresh simulated replicas and a gateway for policy `name`, ready to serve."""
+) -> Front:
+    """Fresh simulated replicas and, in front of them, a gateway with policy `name` or
+    the peer router `name`, ready to serve."""
     sim = {
         "model": MODEL,
         "speed": args.speed,
@@ -223,6 +245,12 @@ async def start_policy(
             SimClusterProcess(args.replicas, base=sim, overrides=overrides, startup_timeout=180)
         )
         urls = sims.urls
+    if name in PEERS:
+        workdir = Path(tempfile.mkdtemp(prefix=f"servegate-slo-{name}-"))
+        url = await stack.enter_async_context(
+            peer_router(name, args.peers, urls, workdir, args.model)
+        )
+        return Front(url, list)
     cfg: dict[str, Any] = {
         "gateway": {"seed": args.seed, "port": 0},
         "pool": {
@@ -247,21 +275,19 @@ async def start_policy(
         if time.monotonic() > deadline:
             raise RuntimeError("the simulated replicas did not become ready")
         await asyncio.sleep(0.05)
-    return gw
+    return Front(gw.url, gw.access_lines)
 
 
-async def drive(
-    name: str, gw: GatewayRunner, items: list[Item], http: aiohttp.ClientSession
-) -> Row:
+async def drive(name: str, front: Front, items: list[Item], http: aiohttp.ClientSession) -> Row:
     start = time.perf_counter()
 
     async def one(item: Item) -> RequestResult:
         await asyncio.sleep(max(0.0, start + item.at - time.perf_counter()))
-        return await send_request(http, gw.url, item.request, stream=True, ignore_eos=True)
+        return await send_request(http, front.url, item.request, stream=True, ignore_eos=True)
 
     results = await asyncio.gather(*(one(i) for i in items))
     wall = time.perf_counter() - start
-    return Row(name, items, list(results), wall, gw.access_lines())
+    return Row(name, items, list(results), wall, front.access())
 
 
 async def run_policies(names: list[str], items: list[Item], args: argparse.Namespace) -> list[Row]:
@@ -277,9 +303,9 @@ async def run_policies(names: list[str], items: list[Item], args: argparse.Names
                 from bench_real_cache_routing import reset_prefix_caches
 
                 await reset_prefix_caches(http, args.urls)
-            gateways = [await start_policy(n, args, stack) for n in group]
+            fronts = [await start_policy(n, args, stack) for n in group]
             done = await asyncio.gather(
-                *(drive(n, gw, items, http) for n, gw in zip(group, gateways, strict=True))
+                *(drive(n, f, items, http) for n, f in zip(group, fronts, strict=True))
             )
             rows.extend(done)
             for row in done:
@@ -337,6 +363,11 @@ def table(rows: list[Row]) -> str:
         shed = sum(1 for r in row.results if r.status == 429)
         other = sum(1 for r in row.results if not r.ok and r.status != 429)
         m_ttft, m_later, m_tpot, n = mape(row.access)
+        errors = (
+            "n/a (no predictor)"
+            if row.policy in PEERS
+            else f"{_pct(m_ttft)} ({_pct(m_later)}) / {_pct(m_tpot)} ({n})"
+        )
         every = ttft["chat"] + ttft["rag"]
         prompt = sum(r.prompt_tokens or 0 for r in row.results if r.ok)
         cached = sum(r.cached_tokens or 0 for r in row.results if r.ok)
@@ -346,7 +377,7 @@ def table(rows: list[Row]) -> str:
             f"{_ms(percentile(ttft['chat'], 50))} / {_ms(percentile(ttft['chat'], 99))} | "
             f"{_ms(percentile(ttft['rag'], 50))} / {_ms(percentile(ttft['rag'], 99))} | "
             f"{_ms(percentile(every, 99))} | {shed} | {other} | {_pct(cached / max(1, prompt))} | "
-            f"{_pct(m_ttft)} ({_pct(m_later)}) / {_pct(m_tpot)} ({n}) |"
+            f"{errors} |"
         )
     return head + "\n".join(lines)
 
@@ -439,7 +470,7 @@ def report(rows: list[Row], items: list[Item], args: argparse.Namespace) -> None
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--policy", action="append", choices=sorted(POLICIES))
+    p.add_argument("--policy", action="append", choices=sorted([*POLICIES, *PEERS]))
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--speed", type=float, default=0.05)
@@ -460,6 +491,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="record what the predictor saw here (JSONL) for bench/latency_replay.py",
     )
+    p.add_argument(
+        "--peers",
+        type=Path,
+        default=REPO / ".venv-peers" / "bin",
+        help="folder with the vllm-router and sglang-router executables "
+        "(default: .venv-peers/bin of the repository)",
+    )
     p.add_argument("--vllm", type=int, default=0, help="N real vLLM servers instead of simulators")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
@@ -467,7 +505,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="one policy after the other (default: all at once)",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    missing = missing_peers(args.policy or [], args.peers)
+    if missing:
+        p.error(f"no peer router at {', '.join(missing)}: install it there or pass --peers DIR")
+    return args
 
 
 def run_on_vllm(args: argparse.Namespace) -> None:
