@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,10 +151,33 @@ class _Allowed:
         return False
 
 
+ZAP_BIND_TRIES = 50
+ZAP_BIND_WAIT_S = 0.01
+"""A stopped handler's ZAP socket leaves `inproc://zeromq.zap.01` when libzmq's reaper
+gets to it, not when `stop()` returns: a handler started right after (the last server
+socket on a context closed, then a new one opened) can find the address still taken.
+Up to 50 tries 10 ms apart."""
+
+
+def _start_zap_handler(context: zmq.Context[zmq.Socket[bytes]]) -> ThreadAuthenticator:
+    for attempt in range(ZAP_BIND_TRIES):
+        auth = ThreadAuthenticator(context, log=logging.getLogger("servegate.curve.zap"))
+        try:
+            auth.start()
+        except zmq.ZMQError as exc:
+            if auth.zap_socket is not None:  # created, then its bind failed
+                auth.zap_socket.close(linger=0)
+            if exc.errno != zmq.EADDRINUSE or attempt == ZAP_BIND_TRIES - 1:
+                raise
+            time.sleep(ZAP_BIND_WAIT_S)
+            continue
+        return auth
+    raise AssertionError("unreachable")
+
+
 class _Zap:
     def __init__(self, context: zmq.Context[zmq.Socket[bytes]]) -> None:
-        self.auth = ThreadAuthenticator(context, log=logging.getLogger("servegate.curve.zap"))
-        self.auth.start()
+        self.auth = _start_zap_handler(context)
         self.domains: dict[str, _Allowed] = {}
 
 
