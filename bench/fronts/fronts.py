@@ -21,7 +21,6 @@ the gateway starts in the worker's event loop before it serves (ASGI lifespan,
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 from collections.abc import Coroutine
 from typing import Any
@@ -32,7 +31,7 @@ from servegate.config import GatewaySettings, ServegateConfig, load_config
 from servegate.control.errors import BodyTooLarge, NotFound, RequestTimeout
 from servegate.control.sink import Headers, send_error
 from servegate.gateway.inference import serve_inference
-from servegate.integrations.asgi_gateway import INFERENCE_KINDS, GatewayASGI
+from servegate.integrations.asgi_gateway import INFERENCE_KINDS, GatewayASGI, until_done_or_gone
 
 
 def _config() -> ServegateConfig:
@@ -148,23 +147,9 @@ class GatewayRSGI:
         if self.watch == "callback":
             await _cancelled_when_gone(serve, protocol.client_disconnect())
         else:
-            await _raced_with(serve, protocol.client_disconnect())
+            await until_done_or_gone(serve, protocol.client_disconnect())
         if sink.aborted:
             raise ConnectionResetError("the answer was cut off")
-
-
-async def _raced_with(serve: Coroutine[Any, Any, object], gone: Any) -> None:
-    """`serve` in a task of its own, cancelled when `gone` completes first."""
-    work = asyncio.ensure_future(serve)
-    watch = asyncio.ensure_future(gone)
-    try:
-        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (work, watch):
-            task.cancel()
-        for task in (work, watch):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
 
 async def _cancelled_when_gone(serve: Coroutine[Any, Any, object], gone: Any) -> None:

@@ -184,6 +184,21 @@ def _decoded(body: bytes, encoding: str, limit: int) -> bytes:
     return out
 
 
+async def until_done_or_gone(work: Awaitable[object], gone: Awaitable[object]) -> None:
+    """Run `work` until it ends or `gone` (the client left) does, whichever is first; the
+    other is cancelled and awaited. An ASGI host, unlike aiohttp, does not cancel the
+    handler of a client that leaves, so the request watches for it itself."""
+    tasks = (asyncio.ensure_future(work), asyncio.ensure_future(gone))
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
 class GatewayASGI:
     """An ASGI app that starts the gateway at lifespan startup (or on its first request)."""
 
@@ -298,15 +313,7 @@ class GatewayASGI:
                 exchange.read_body,
             )
         )
-        watch = asyncio.ensure_future(exchange.until_gone())
-        try:
-            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (work, watch):
-                task.cancel()
-            for task in (work, watch):
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await until_done_or_gone(work, exchange.until_gone())
 
     async def _other(self, gw: Gateway, exchange: Exchange) -> None:
         method, path = exchange.method, exchange.path
