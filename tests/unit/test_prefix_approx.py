@@ -125,6 +125,78 @@ def test_match_lengths_follow_each_replicas_lru(seed: int) -> None:
         assert index.match_lengths(chain, asked) == expected
 
 
+def test_a_chain_sent_again_matches_whole_until_its_blocks_may_be_gone() -> None:
+    index = ApproxPrefixIndex(4)
+    index.insert("a", [1, 2])
+    index.insert("a", [3, 4])  # fills the LRU; nothing evicted yet
+    lru = index._servers["a"]  # the shortcut itself, asked directly
+    assert lru.holds_whole([1, 2]) and index.match_lengths([1, 2], ["a"]) == {"a": 2}
+    assert not lru.holds_whole([1, 9, 2])  # not a chain inserted whole: walked
+    index.insert("a", [5])  # evicts 1, the chain's oldest block
+    assert not lru.holds_whole([1, 2]) and index.match_lengths([1, 2], ["a"]) == {"a": 0}
+
+
+def test_a_block_evicted_from_the_middle_of_a_recorded_chain_is_seen() -> None:
+    index = ApproxPrefixIndex(4)
+    index.insert("a", [1, 2, 3])
+    index.insert("a", [1])  # refresh 1: 2 is now the oldest
+    index.insert("a", [4, 5])  # evicts 2 from the middle of [1, 2, 3]
+    assert not index._servers["a"].holds_whole([1, 2, 3])
+    assert index.match_lengths([1, 2, 3], ["a"]) == {"a": 1}
+
+
+def test_a_recorded_chain_survives_evictions_of_older_blocks() -> None:
+    index = ApproxPrefixIndex(5)
+    index.insert("a", [7, 8, 9])
+    index.insert("a", [1, 2])  # [7 8 9 1 2]: three blocks older than the chain [1, 2]
+    lru = index._servers["a"]
+    index.insert("a", [3, 4])  # evicts 7 and 8
+    index.insert("a", [5])  # evicts 9: three insertions, the chain's oldest block is next
+    assert lru.holds_whole([1, 2]) and index.match_lengths([1, 2], ["a"]) == {"a": 2}
+    index.insert("a", [6])  # evicts 1
+    assert not lru.holds_whole([1, 2]) and index.match_lengths([1, 2], ["a"]) == {"a": 0}
+
+
+def test_a_chain_too_long_to_record_still_voids_the_chains_it_evicts() -> None:
+    index = ApproxPrefixIndex(4)
+    index.insert("a", [1, 2])
+    index.insert("a", [3, 4, 5, 6, 7])  # longer than the LRU: not recorded; evicts 1, 2, 3
+    assert not index._servers["a"].holds_whole([1, 2])
+    assert index.match_lengths([1, 2], ["a"]) == {"a": 0}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_match_lengths_between_insertions_follow_each_replicas_lru(seed: int) -> None:
+    """As above, but matching every chain after each insertion, so that chains recorded
+    whole are asked about at every point of their eviction (the shortcut must never
+    claim a block an LRU no longer holds); some answers must come from the shortcut."""
+    rng = random.Random(seed)
+    capacity = rng.randint(6, 16)
+    index = ApproxPrefixIndex(capacity)
+    model: dict[str, OrderedDict[int, None]] = {}
+    stems = [[rng.getrandbits(64) for _ in range(rng.randint(1, 8))] for _ in range(3)]
+    chains = [[*rng.choice(stems)[: rng.randint(1, 8)], rng.getrandbits(64)] for _ in range(10)]
+    addresses = [f"r{i}" for i in range(3)]
+    whole = 0
+    for _ in range(300):
+        address, chain = rng.choice(addresses), rng.choice(chains)
+        index.insert(address, list(chain))  # a copy, as each request hashes its own
+        lru = model.setdefault(address, OrderedDict())
+        for key in chain:
+            lru.pop(key, None)
+            lru[key] = None
+            while len(lru) > capacity:
+                lru.popitem(last=False)
+        for asked in chains:
+            expected = {
+                a: len(list(takewhile(model.get(a, {}).__contains__, asked))) for a in addresses
+            }
+            assert index.match_lengths(list(asked), addresses) == expected
+            servers = index._servers
+            whole += sum(1 for a in addresses if a in servers and servers[a].holds_whole(asked))
+    assert whole > 0
+
+
 def test_index_eviction_updates_reverse_map() -> None:
     index = ApproxPrefixIndex(2)
     index.insert("a", [1, 2, 3])  # capacity 2: key 1 evicted

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Self
 
 import xxhash
@@ -73,16 +74,76 @@ class ScorerParameters(ApproxPrefixParameters):
 
 
 INDEX_FIELDS = frozenset(ApproxPrefixParameters.model_fields)
+CHAIN_RECORD_BLOCKS = 4096
+"""Blocks of recently inserted chains an endpoint's LRU remembers whole (`ServerLRU.chains`):
+16 prompts of 256 blocks, ~10 kB each at most (the list and its keys)."""
 
 
 class ServerLRU:
-    """Block keys one endpoint is believed to hold, least recently used first."""
+    """Block keys one endpoint is believed to hold, least recently used first.
 
-    __slots__ = ("capacity", "keys")
+    Besides the keys it remembers the chains recently inserted whole (`chains`, by last
+    key), so that matching a prompt sent here before need not walk its blocks: a chain
+    is still held whole while nothing could have pushed its oldest block out of the LRU
+    (`holds_whole`).
+    """
+
+    __slots__ = ("capacity", "chains", "evictions", "keys", "recorded", "touches")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.keys: OrderedDict[int, None] = OrderedDict()
+        self.touches = 0
+        """Keys inserted or refreshed so far (each may move an older key behind others)."""
+        self.evictions = 0
+        """Keys dropped for capacity so far."""
+        self.chains: OrderedDict[int, _Chain] = OrderedDict()
+        self.recorded = 0
+        """Blocks in `chains`' lists, kept under `CHAIN_RECORD_BLOCKS` and `capacity`
+        (oldest chains go first)."""
+
+    def record(self, keys: list[int]) -> None:
+        """Remember that `keys` were all just inserted or refreshed, in order."""
+        n = len(keys)
+        bound = min(self.capacity, CHAIN_RECORD_BLOCKS)
+        if not n or n > bound:
+            return  # (a chain longer than the LRU lost its first blocks while it went in)
+        chains = self.chains
+        old = chains.pop(keys[-1], None)
+        if old is not None:
+            self.recorded -= len(old.keys)
+        chains[keys[-1]] = _Chain(keys, self.touches, self.evictions, len(self.keys) - n)
+        self.recorded += n
+        while self.recorded > bound:
+            self.recorded -= len(chains.popitem(last=False)[1].keys)
+
+    def holds_whole(self, keys: list[int]) -> bool:
+        """Whether every one of `keys` is certainly still held (False = unknown: walk them).
+
+        Right after `record`, the chain's keys are the newest in the LRU, with at least
+        `ahead` keys older than all of them. Only an eviction removes a key, and it takes
+        the oldest, so the chain loses a key only once every older key has been evicted
+        or refreshed to the back, and one eviction more. Each eviction follows the
+        insertion of a new key, so that takes more than `ahead` insertions and refreshes:
+        the chain is whole while nothing was evicted or while there were at most `ahead`.
+        """
+        chain = self.chains.get(keys[-1])
+        if chain is None:
+            return False
+        if self.evictions != chain.evictions and self.touches - chain.touches > chain.ahead:
+            return False
+        return chain.keys == keys
+
+
+@dataclass(slots=True, frozen=True)
+class _Chain:
+    """One chain inserted whole into one endpoint's LRU, and the LRU's counters just after."""
+
+    keys: list[int]
+    touches: int
+    evictions: int
+    ahead: int
+    """Keys the LRU held that are not in the chain (a lower bound, with repeated keys)."""
 
 
 class ApproxPrefixIndex:
@@ -117,11 +178,14 @@ class ApproxPrefixIndex:
                 holders.add(address)
             if len(held) > lru.capacity:
                 evicted = held.popitem(last=False)[0]
+                lru.evictions += 1
                 gone = where.get(evicted)
                 if gone is not None:
                     gone.discard(address)
                     if not gone:
                         del where[evicted]
+        lru.touches += len(keys)
+        lru.record(list(keys))
 
     def remove_server(self, address: str) -> None:
         lru = self._servers.pop(address, None)
@@ -170,18 +234,31 @@ class ApproxPrefixIndex:
     def match_lengths(self, keys: Sequence[int], addresses: Sequence[str]) -> dict[str, int]:
         """Leading blocks of `keys` each address holds.
 
-        One set operation per block while the holders stay the same (a subset check, in
-        C); addresses are written out only when they drop off or at the end.
+        An address that had this very chain inserted, and cannot have lost any of it since
+        (`ServerLRU.holds_whole`), matches it whole without a walk: a prompt sent again to
+        the replicas that hold it costs one list comparison per holder. The others are
+        walked with one set operation per block while the holders stay the same (a subset
+        check, in C); addresses are written out only when they drop off or at the end.
         """
         matched = dict.fromkeys(addresses, 0)
         where = self._where
         if not keys:
             return matched
         alive = set(addresses).intersection(where.get(keys[0], ()))
+        if not alive:
+            return matched
+        chain = keys if type(keys) is list else list(keys)
+        servers = self._servers
+        whole = [a for a in alive if servers[a].holds_whole(chain)]
+        if whole:
+            total = len(keys)
+            for address in whole:
+                matched[address] = total
+            alive.difference_update(whole)
         depth = 1
         for key in keys[1:]:
             if not alive:
-                break
+                return matched
             holders = where.get(key)
             if holders is None:
                 break
