@@ -128,11 +128,11 @@ def test_match_lengths_follow_each_replicas_lru(seed: int) -> None:
 def test_a_chain_sent_again_matches_whole_until_its_blocks_may_be_gone() -> None:
     index = ApproxPrefixIndex(4)
     index.insert("a", [1, 2])
-    index.insert("a", [3, 4])  # fills the LRU; nothing evicted yet
+    index.insert("a", [3])  # nothing evicted yet
     lru = index._servers["a"]  # the shortcut itself, asked directly
     assert lru.holds_whole([1, 2]) and index.match_lengths([1, 2], ["a"]) == {"a": 2}
     assert not lru.holds_whole([1, 9, 2])  # not a chain inserted whole: walked
-    index.insert("a", [5])  # evicts 1, the chain's oldest block
+    index.insert("a", [4, 5])  # evicts 1, the chain's oldest block
     assert not lru.holds_whole([1, 2]) and index.match_lengths([1, 2], ["a"]) == {"a": 0}
 
 

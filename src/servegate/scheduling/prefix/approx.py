@@ -96,7 +96,8 @@ class ServerLRU:
         self.touches = 0
         """Keys inserted or refreshed so far (each may move an older key behind others)."""
         self.evictions = 0
-        """Keys dropped for capacity so far."""
+        """Insertions that may have dropped keys for capacity (those that left the LRU full;
+        counted per call, not per key, to keep the insertion loop as it was)."""
         self.chains: OrderedDict[int, _Chain] = OrderedDict()
         self.recorded = 0
         """Blocks in `chains`' lists, kept under `CHAIN_RECORD_BLOCKS` and `capacity`
@@ -125,7 +126,8 @@ class ServerLRU:
         the oldest, so the chain loses a key only once every older key has been evicted
         or refreshed to the back, and one eviction more. Each eviction follows the
         insertion of a new key, so that takes more than `ahead` insertions and refreshes:
-        the chain is whole while nothing was evicted or while there were at most `ahead`.
+        the chain is whole while no insertion since could have evicted, or while there
+        were at most `ahead` of them.
         """
         chain = self.chains.get(keys[-1])
         if chain is None:
@@ -178,12 +180,13 @@ class ApproxPrefixIndex:
                 holders.add(address)
             if len(held) > lru.capacity:
                 evicted = held.popitem(last=False)[0]
-                lru.evictions += 1
                 gone = where.get(evicted)
                 if gone is not None:
                     gone.discard(address)
                     if not gone:
                         del where[evicted]
+        if len(held) >= lru.capacity:
+            lru.evictions += 1  # this call may have evicted: every eviction leaves it full
         lru.touches += len(keys)
         lru.record(list(keys))
 
