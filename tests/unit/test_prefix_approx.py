@@ -136,6 +136,16 @@ def test_a_chain_sent_again_matches_whole_until_its_blocks_may_be_gone() -> None
     assert not lru.holds_whole([1, 2]) and index.match_lengths([1, 2], ["a"]) == {"a": 0}
 
 
+def test_a_hash_chain_is_known_by_its_last_key_and_length() -> None:
+    index = ApproxPrefixIndex(8)
+    index.insert("a", [1, 2, 3], chained=True)
+    lru = index._servers["a"]
+    assert lru.holds_whole([1, 2, 3], chained=True)
+    assert not lru.holds_whole([2, 3], chained=True)  # another length: another chain
+    assert not lru.holds_whole([1, 2, 3])  # not said to be a chain: no keys kept to compare
+    assert index.match_lengths([1, 2, 3], ["a"]) == {"a": 3}  # walked instead
+
+
 def test_a_block_evicted_from_the_middle_of_a_recorded_chain_is_seen() -> None:
     index = ApproxPrefixIndex(4)
     index.insert("a", [1, 2, 3])
@@ -165,11 +175,15 @@ def test_a_chain_too_long_to_record_still_voids_the_chains_it_evicts() -> None:
     assert index.match_lengths([1, 2], ["a"]) == {"a": 0}
 
 
+@pytest.mark.parametrize("chained", [False, True])
 @pytest.mark.parametrize("seed", range(12))
-def test_match_lengths_between_insertions_follow_each_replicas_lru(seed: int) -> None:
+def test_match_lengths_between_insertions_follow_each_replicas_lru(
+    seed: int, chained: bool
+) -> None:
     """As above, but matching every chain after each insertion, so that chains recorded
     whole are asked about at every point of their eviction (the shortcut must never
-    claim a block an LRU no longer holds); some answers must come from the shortcut."""
+    claim a block an LRU no longer holds); some answers must come from the shortcut.
+    Each chain ends in a key of its own, so its last key stands for it (`chained`)."""
     rng = random.Random(seed)
     capacity = rng.randint(6, 16)
     index = ApproxPrefixIndex(capacity)
@@ -180,7 +194,7 @@ def test_match_lengths_between_insertions_follow_each_replicas_lru(seed: int) ->
     whole = 0
     for _ in range(300):
         address, chain = rng.choice(addresses), rng.choice(chains)
-        index.insert(address, list(chain))  # a copy, as each request hashes its own
+        index.insert(address, list(chain), chained=chained)  # a copy, as a request's own
         lru = model.setdefault(address, OrderedDict())
         for key in chain:
             lru.pop(key, None)
@@ -191,9 +205,11 @@ def test_match_lengths_between_insertions_follow_each_replicas_lru(seed: int) ->
             expected = {
                 a: len(list(takewhile(model.get(a, {}).__contains__, asked))) for a in addresses
             }
-            assert index.match_lengths(list(asked), addresses) == expected
+            assert index.match_lengths(list(asked), addresses, chained=chained) == expected
             servers = index._servers
-            whole += sum(1 for a in addresses if a in servers and servers[a].holds_whole(asked))
+            whole += sum(
+                1 for a in addresses if a in servers and servers[a].holds_whole(asked, chained)
+            )
     assert whole > 0
 
 

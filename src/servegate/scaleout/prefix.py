@@ -134,5 +134,6 @@ class PrefixSharing:
             if len(item.keys) > scorer.params.max_prefix_blocks_to_match:
                 self.rejected["keys"] += 1
                 continue
-            scorer.index.insert(item.address, item.keys, scorer.capacity_for(state))
+            # a peer's keys come from the same scorer's `block_keys`: a hash chain
+            scorer.index.insert(item.address, item.keys, scorer.capacity_for(state), chained=True)
             self.applied += 1

@@ -103,22 +103,25 @@ class ServerLRU:
         """Blocks in `chains`' lists, kept under `CHAIN_RECORD_BLOCKS` and `capacity`
         (oldest chains go first)."""
 
-    def record(self, keys: list[int]) -> None:
-        """Remember that `keys` were all just inserted or refreshed, in order."""
+    def record(self, keys: Sequence[int], chained: bool) -> None:
+        """Remember that `keys` were all just inserted or refreshed, in order; `chained`:
+        they are a hash chain (`hashing.py`), whose last key stands for the whole chain."""
         n = len(keys)
         bound = min(self.capacity, CHAIN_RECORD_BLOCKS)
         if not n or n > bound:
             return  # (a chain longer than the LRU lost its first blocks while it went in)
         chains = self.chains
-        old = chains.pop(keys[-1], None)
+        last = keys[-1]
+        old = chains.pop(last, None)
         if old is not None:
-            self.recorded -= len(old.keys)
-        chains[keys[-1]] = _Chain(keys, self.touches, self.evictions, len(self.keys) - n)
+            self.recorded -= old.length
+        kept = None if chained else list(keys)
+        chains[last] = _Chain(kept, n, self.touches, self.evictions, len(self.keys) - n)
         self.recorded += n
         while self.recorded > bound:
-            self.recorded -= len(chains.popitem(last=False)[1].keys)
+            self.recorded -= chains.popitem(last=False)[1].length
 
-    def holds_whole(self, keys: list[int]) -> bool:
+    def holds_whole(self, keys: Sequence[int], chained: bool = False) -> bool:
         """Whether every one of `keys` is certainly still held (False = unknown: walk them).
 
         Right after `record`, the chain's keys are the newest in the LRU, with at least
@@ -128,20 +131,27 @@ class ServerLRU:
         insertion of a new key, so that takes more than `ahead` insertions and refreshes:
         the chain is whole while no insertion since could have evicted, or while there
         were at most `ahead` of them.
+
+        Two hash chains with the same last key and length are the same chain (the index
+        already takes equal keys for equal prefixes); anything else is compared key by key.
         """
         chain = self.chains.get(keys[-1])
         if chain is None:
             return False
         if self.evictions != chain.evictions and self.touches - chain.touches > chain.ahead:
             return False
-        return chain.keys == keys
+        if chain.keys is None:
+            return chained and chain.length == len(keys)
+        return chain.keys == list(keys)
 
 
 @dataclass(slots=True, frozen=True)
 class _Chain:
     """One chain inserted whole into one endpoint's LRU, and the LRU's counters just after."""
 
-    keys: list[int]
+    keys: list[int] | None
+    """The chain's keys, kept only when it was not a hash chain (to compare key by key)."""
+    length: int
     touches: int
     evictions: int
     ahead: int
@@ -159,7 +169,16 @@ class ApproxPrefixIndex:
     def __len__(self) -> int:
         return sum(len(s.keys) for s in self._servers.values())
 
-    def insert(self, address: str, keys: Sequence[int], capacity: int | None = None) -> None:
+    def insert(
+        self,
+        address: str,
+        keys: Sequence[int],
+        capacity: int | None = None,
+        *,
+        chained: bool = False,
+    ) -> None:
+        """Record `keys` as held by `address`, most recent last; `chained`: they are a hash
+        chain from `hashing.py` (see `ServerLRU.holds_whole`)."""
         lru = self._servers.get(address)
         if lru is None:
             lru = self._servers[address] = ServerLRU(capacity or self.default_capacity)
@@ -188,7 +207,7 @@ class ApproxPrefixIndex:
         if len(held) >= lru.capacity:
             lru.evictions += 1  # this call may have evicted: every eviction leaves it full
         lru.touches += len(keys)
-        lru.record(list(keys))
+        lru.record(keys, chained)
 
     def remove_server(self, address: str) -> None:
         lru = self._servers.pop(address, None)
@@ -234,12 +253,14 @@ class ApproxPrefixIndex:
         """Whether any endpoint holds block `key`."""
         return bool(self._where.get(key))
 
-    def match_lengths(self, keys: Sequence[int], addresses: Sequence[str]) -> dict[str, int]:
-        """Leading blocks of `keys` each address holds.
+    def match_lengths(
+        self, keys: Sequence[int], addresses: Sequence[str], *, chained: bool = False
+    ) -> dict[str, int]:
+        """Leading blocks of `keys` (a hash chain when `chained`) each address holds.
 
         An address that had this very chain inserted, and cannot have lost any of it since
         (`ServerLRU.holds_whole`), matches it whole without a walk: a prompt sent again to
-        the replicas that hold it costs one list comparison per holder. The others are
+        the replicas that hold it costs a dict look-up per holder. The others are
         walked with one set operation per block while the holders stay the same (a subset
         check, in C); addresses are written out only when they drop off or at the end.
         """
@@ -250,9 +271,8 @@ class ApproxPrefixIndex:
         alive = set(addresses).intersection(where.get(keys[0], ()))
         if not alive:
             return matched
-        chain = keys if type(keys) is list else list(keys)
         servers = self._servers
-        whole = [a for a in alive if servers[a].holds_whole(chain)]
+        whole = [a for a in alive if servers[a].holds_whole(keys, chained)]
         if whole:
             total = len(keys)
             for address in whole:
@@ -400,7 +420,7 @@ class PrefixCacheScorer:
             return [0.0] * len(endpoints)
         if self.index.holds(keys[0]):
             addresses = [e.endpoint.address for e in endpoints]
-            matched = self.index.match_lengths(keys, addresses)
+            matched = self.index.match_lengths(keys, addresses, chained=True)
             total = len(keys)
             scores = [matched[a] / total for a in addresses]
         else:  # nobody holds the first block: nothing matches (no pass over the endpoints)
@@ -443,5 +463,5 @@ class PrefixCacheScorer:
         for state in (decision.endpoint, decision.prefill):
             if state is not None:
                 capacity = self.capacity_for(state)
-                self.index.insert(state.address, keys, capacity)
+                self.index.insert(state.address, keys, capacity, chained=True)
                 self.routing.inserted(self.name, state.address, keys, capacity)
