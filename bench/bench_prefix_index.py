@@ -6,6 +6,8 @@ decision costs after it:
 - `match`: a 256-block prompt held whole by 3 replicas, asked about 67 candidates (a
   1,000-endpoint pool's shortlist), the keys hashed anew (fresh int objects) as each
   request hashes its own prompt;
+- `match, the next turn`: a 230-block prompt whose first 200 blocks are a chain the 3
+  holders were sent (a conversation's next turn; the rest is new to everyone);
 - `match, 1 of 3 lost a block`: the same, one holder's LRU having dropped a block
   from the middle of the chain (the walk cannot be skipped for that one);
 - `insert held`: re-recording a chain the replica holds (`pre_request` after a sticky
@@ -68,6 +70,11 @@ def main() -> None:
     for address in holders:
         index.insert(address, _fresh(chain), **CHAINED)
     request = _fresh(chain)
+    turn_index = ApproxPrefixIndex(31250)
+    for address in holders:
+        turn_index.insert(address, _fresh(chain[:200]), **CHAINED)
+    next_turn = [*_fresh(chain[:200]), *(rng.getrandbits(64) for _ in range(30))]
+    assert turn_index.match_lengths(next_turn, holders, **CHAINED) == dict.fromkeys(holders, 200)
     lost = ApproxPrefixIndex(8 * BLOCKS)
     for address in holders:
         lost.insert(address, _fresh(chain), **CHAINED)
@@ -91,6 +98,9 @@ def main() -> None:
     cases: dict[str, Callable[[], object]] = {
         "match, 3 holders of 256 blocks, 67 asked": lambda: index.match_lengths(
             request, asked, **CHAINED
+        ),
+        "match, the next turn (200 of 230 blocks held)": lambda: turn_index.match_lengths(
+            next_turn, asked, **CHAINED
         ),
         "match, 1 of 3 lost a block": lambda: lost.match_lengths(request, asked, **CHAINED),
         "insert held (re-record 256 blocks)": lambda: held.insert(holders[0], resent, **CHAINED),

@@ -146,6 +146,25 @@ def test_a_hash_chain_is_known_by_its_last_key_and_length() -> None:
     assert index.match_lengths([1, 2, 3], ["a"]) == {"a": 3}  # walked instead
 
 
+def test_the_next_turn_of_a_conversation_matches_the_chain_sent_before() -> None:
+    index = ApproxPrefixIndex(16)
+    index.insert("a", [1, 2, 3], chained=True)
+    index.insert("b", [1, 2], chained=True)
+    lru = index._servers["a"]
+    assert lru.holds_whole([1, 2, 3, 4, 5], chained=True, length=3)
+    assert index.match_lengths([1, 2, 3, 4, 5], ["a", "b", "c"], chained=True) == {
+        "a": 3,  # nobody holds block 4: a's chain is the longest match, without a walk
+        "b": 2,  # walked
+        "c": 0,
+    }
+    index.insert("c", [1, 2, 3, 4], chained=True)  # now someone holds block 4
+    assert index.match_lengths([1, 2, 3, 4, 5], ["a", "b", "c"], chained=True) == {
+        "a": 3,
+        "b": 2,
+        "c": 4,
+    }
+
+
 def test_a_block_evicted_from_the_middle_of_a_recorded_chain_is_seen() -> None:
     index = ApproxPrefixIndex(4)
     index.insert("a", [1, 2, 3])
@@ -201,14 +220,17 @@ def test_match_lengths_between_insertions_follow_each_replicas_lru(
             lru[key] = None
             while len(lru) > capacity:
                 lru.popitem(last=False)
-        for asked in chains:
-            expected = {
-                a: len(list(takewhile(model.get(a, {}).__contains__, asked))) for a in addresses
-            }
-            assert index.match_lengths(list(asked), addresses, chained=chained) == expected
+        for chain_asked in chains:
+            for asked in (chain_asked, [*chain_asked, rng.getrandbits(64)]):  # the next turn
+                expected = {
+                    a: len(list(takewhile(model.get(a, {}).__contains__, asked))) for a in addresses
+                }
+                assert index.match_lengths(list(asked), addresses, chained=chained) == expected
             servers = index._servers
             whole += sum(
-                1 for a in addresses if a in servers and servers[a].holds_whole(asked, chained)
+                1
+                for a in addresses
+                if a in servers and servers[a].holds_whole(chain_asked, chained)
             )
     assert whole > 0
 

@@ -121,8 +121,11 @@ class ServerLRU:
         while self.recorded > bound:
             self.recorded -= chains.popitem(last=False)[1].length
 
-    def holds_whole(self, keys: Sequence[int], chained: bool = False) -> bool:
-        """Whether every one of `keys` is certainly still held (False = unknown: walk them).
+    def holds_whole(
+        self, keys: Sequence[int], chained: bool = False, length: int | None = None
+    ) -> bool:
+        """Whether the first `length` (default: all) of `keys` are certainly all still held,
+        as a chain inserted whole (False = unknown: walk them).
 
         Right after `record`, the chain's keys are the newest in the LRU, with at least
         `ahead` keys older than all of them. Only an eviction removes a key, and it takes
@@ -135,14 +138,15 @@ class ServerLRU:
         Two hash chains with the same last key and length are the same chain (the index
         already takes equal keys for equal prefixes); anything else is compared key by key.
         """
-        chain = self.chains.get(keys[-1])
-        if chain is None:
+        n = len(keys) if length is None else length
+        chain = self.chains.get(keys[n - 1])
+        if chain is None or chain.length != n:
             return False
         if self.evictions != chain.evictions and self.touches - chain.touches > chain.ahead:
             return False
         if chain.keys is None:
-            return chained and chain.length == len(keys)
-        return chain.keys == list(keys)
+            return chained
+        return chain.keys == list(keys[:n])
 
 
 @dataclass(slots=True, frozen=True)
@@ -230,15 +234,8 @@ class ApproxPrefixIndex:
         where = self._where
         if not keys or not where.get(keys[0]):
             return []
-        lo, hi = 1, len(keys)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if where.get(keys[mid]):
-                lo = mid + 1
-            else:
-                hi = mid
         out: dict[str, None] = {}
-        i, stride = lo - 1, 1
+        i, stride = self._held_run(keys) - 1, 1
         while i >= 0:
             for address in where.get(keys[i], ()):
                 out[address] = None
@@ -249,6 +246,19 @@ class ApproxPrefixIndex:
             i, stride = max(0, i - stride), stride * 2
         return list(out)
 
+    def _held_run(self, keys: Sequence[int]) -> int:
+        """A length `n` (by bisection; `keys[0]` must be held) such that some endpoint holds
+        `keys[n - 1]` and, unless `n` is all of them, no endpoint holds `keys[n]`."""
+        where = self._where
+        lo, hi = 1, len(keys)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if where.get(keys[mid]):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
     def holds(self, key: int) -> bool:
         """Whether any endpoint holds block `key`."""
         return bool(self._where.get(key))
@@ -258,11 +268,14 @@ class ApproxPrefixIndex:
     ) -> dict[str, int]:
         """Leading blocks of `keys` (a hash chain when `chained`) each address holds.
 
-        An address that had this very chain inserted, and cannot have lost any of it since
-        (`ServerLRU.holds_whole`), matches it whole without a walk: a prompt sent again to
-        the replicas that hold it costs a dict look-up per holder. The others are
-        walked with one set operation per block while the holders stay the same (a subset
-        check, in C); addresses are written out only when they drop off or at the end.
+        Bisection finds a length `n` whose last block someone holds and whose next block
+        nobody does, so no match is longer. An address that had the first `n` blocks
+        inserted as a chain, and cannot have lost any of them since
+        (`ServerLRU.holds_whole`), matches exactly `n` without a walk: a prompt sent again
+        to the replicas that hold it, or one that continues the conversation they were
+        sent, costs a dict look-up per holder. The others are walked with one set
+        operation per block while the holders stay the same (a subset check, in C);
+        addresses are written out only when they drop off or at the end.
         """
         matched = dict.fromkeys(addresses, 0)
         where = self._where
@@ -272,11 +285,11 @@ class ApproxPrefixIndex:
         if not alive:
             return matched
         servers = self._servers
-        whole = [a for a in alive if servers[a].holds_whole(keys, chained)]
+        run = self._held_run(keys)
+        whole = [a for a in alive if servers[a].holds_whole(keys, chained, run)]
         if whole:
-            total = len(keys)
             for address in whole:
-                matched[address] = total
+                matched[address] = run
             alive.difference_update(whole)
         depth = 1
         for key in keys[1:]:
