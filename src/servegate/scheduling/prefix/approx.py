@@ -76,7 +76,8 @@ class ScorerParameters(ApproxPrefixParameters):
 INDEX_FIELDS = frozenset(ApproxPrefixParameters.model_fields)
 CHAIN_RECORD_BLOCKS = 4096
 """Blocks of recently inserted chains an endpoint's LRU remembers whole (`ServerLRU.chains`):
-16 prompts of 256 blocks, ~10 kB each at most (the list and its keys)."""
+16 prompts of 256 blocks. A hash chain's record is a few counters; only a list that is
+not one keeps a copy of its keys, to compare."""
 
 
 class ServerLRU:
@@ -100,8 +101,8 @@ class ServerLRU:
         counted per call, not per key, to keep the insertion loop as it was)."""
         self.chains: OrderedDict[int, _Chain] = OrderedDict()
         self.recorded = 0
-        """Blocks in `chains`' lists, kept under `CHAIN_RECORD_BLOCKS` and `capacity`
-        (oldest chains go first)."""
+        """Blocks the chains in `chains` cover, kept under `CHAIN_RECORD_BLOCKS` and
+        `capacity` (oldest chains go first)."""
 
     def record(self, keys: Sequence[int], chained: bool) -> None:
         """Remember that `keys` were all just inserted or refreshed, in order; `chained`:
