@@ -53,6 +53,7 @@ endpoint that differs otherwise moves away as its own data arrives.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -100,6 +101,13 @@ SPEED_CLIP = 2.0
 """One observation moves an endpoint's log speed by at most this (a stalled request)."""
 RATE_WINDOW_S = 10.0
 """Time constant of the recent-prompt-tokens rate (the TPOT feature)."""
+RATIO_WINDOW = 50
+"""Recent actual / predicted ratios kept per endpoint and target: the measured error an
+irreversible decision (shedding) is weighed against."""
+
+
+def _no_ratios() -> deque[float]:
+    return deque(maxlen=RATIO_WINDOW)
 
 
 @dataclass(slots=True)
@@ -111,15 +119,27 @@ class Accuracy:
     """Exponentially weighted mean absolute percentage error, as a fraction."""
     abs_pct_sum: float = 0.0
     """Sum of every absolute percentage error (with `observations`: the plain MAPE)."""
+    ratios: deque[float] = field(default_factory=_no_ratios)
+    """The last `RATIO_WINDOW` actual / predicted ratios."""
 
     def add(self, predicted: float, actual: float) -> float:
         ape = abs(predicted - actual) / max(actual, MIN_MS)
+        self.ratios.append(actual / max(predicted, MIN_MS))
         self.abs_pct_sum += ape
         self.mape = (
             ape if self.observations == 0 else (ERROR_DECAY * self.mape + (1.0 - ERROR_DECAY) * ape)
         )
         self.observations += 1
         return ape
+
+    def low_ratio(self, quantile: float) -> float:
+        """The `quantile` of the recent actual / predicted ratios (1.0 with none): a
+        prediction times this is what the endpoint beat that often lately."""
+        ratios = self.ratios
+        if not ratios:
+            return 1.0
+        ordered = sorted(ratios)
+        return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
 
 
 class FirstToken(Protocol):
