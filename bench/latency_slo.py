@@ -184,6 +184,9 @@ class Row:
     results: list[RequestResult]
     wall_s: float
     access: list[dict[str, Any]]
+    engine_hit_rate: float | None = None
+    """Real vLLM: Σ Δ`vllm:prefix_cache_hits_total` / Σ Δ`prefix_cache_queries_total`
+    over the servers during this policy's run (the engine's own count)."""
 
 
 def workload(args: argparse.Namespace) -> list[Item]:
@@ -304,13 +307,38 @@ async def run_policies(names: list[str], items: list[Item], args: argparse.Names
 
                 await reset_prefix_caches(http, args.urls)
             fronts = [await start_policy(n, args, stack) for n in group]
+            before = await engine_counters(http, args.urls)
             done = await asyncio.gather(
                 *(drive(n, f, items, http) for n, f in zip(group, fronts, strict=True))
             )
+            if before is not None and len(done) == 1:
+                after = await engine_counters(http, args.urls)
+                if after is not None:
+                    hits, queries = after[0] - before[0], after[1] - before[1]
+                    done[0].engine_hit_rate = hits / queries if queries > 0 else None
             rows.extend(done)
             for row in done:
                 print(table([row]).splitlines()[-1], flush=True)
     return rows
+
+
+async def engine_counters(
+    http: aiohttp.ClientSession, urls: list[str]
+) -> tuple[float, float] | None:
+    """Real vLLM's prefix-cache hits and queries (tokens), summed over the servers; None
+    for simulators or when a server does not export them."""
+    if not urls:
+        return None
+    from servegate.bench.engine_counters import scrape_counters
+
+    hits = queries = 0.0
+    for url in urls:
+        c = await scrape_counters(http, url)
+        if c is None or c.prefix_hits is None or c.prefix_queries is None:
+            return None
+        hits += c.prefix_hits
+        queries += c.prefix_queries
+    return hits, queries
 
 
 def mape(access: list[dict[str, Any]]) -> tuple[float | None, float | None, float | None, int]:
@@ -371,12 +399,13 @@ def table(rows: list[Row]) -> str:
         every = ttft["chat"] + ttft["rag"]
         prompt = sum(r.prompt_tokens or 0 for r in row.results if r.ok)
         cached = sum(r.cached_tokens or 0 for r in row.results if r.ok)
+        engine = "" if row.engine_hit_rate is None else f" (engine {_pct(row.engine_hit_rate)})"
         lines.append(
             f"| {row.policy} | {_pct(rate['chat'])} / {_pct(rate['rag'])} / "
             f"{_pct(good / len(pairs))} | {good / row.wall_s:.2f} | "
             f"{_ms(percentile(ttft['chat'], 50))} / {_ms(percentile(ttft['chat'], 99))} | "
             f"{_ms(percentile(ttft['rag'], 50))} / {_ms(percentile(ttft['rag'], 99))} | "
-            f"{_ms(percentile(every, 99))} | {shed} | {other} | {_pct(cached / max(1, prompt))} | "
+            f"{_ms(percentile(every, 99))} | {shed} | {other} | {_pct(cached / max(1, prompt))}{engine} | "
             f"{errors} |"
         )
     return head + "\n".join(lines)
@@ -522,7 +551,10 @@ def run_on_vllm(args: argparse.Namespace) -> None:
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     workdir = Path(tempfile.mkdtemp(prefix="servegate-latency-"))
-    cluster = VllmCluster(build_tiny_model(), ClusterSettings(replicas=args.vllm), workdir / "vllm")
+    # vLLM reports `usage.prompt_tokens_details.cached_tokens` only with this flag; without
+    # it the cached-tokens column read 0 % and the gateway never saw the engine's count
+    settings = ClusterSettings(replicas=args.vllm, extra_args=("--enable-prompt-tokens-details",))
+    cluster = VllmCluster(build_tiny_model(), settings, workdir / "vllm")
     try:
         cluster.start()
         print(f"{args.vllm} vLLM servers healthy after {cluster.startup_s:.0f} s", flush=True)
