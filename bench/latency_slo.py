@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import platform
 import random
 import sys
@@ -313,9 +314,9 @@ async def run_policies(names: list[str], items: list[Item], args: argparse.Names
             )
             if before is not None and len(done) == 1:
                 after = await engine_counters(http, args.urls)
-                if after is not None:
-                    hits, queries = after[0] - before[0], after[1] - before[1]
-                    done[0].engine_hit_rate = hits / queries if queries > 0 else None
+                if after is not None and after[1] > before[1]:
+                    rate = (after[0] - before[0]) / (after[1] - before[1])
+                    done = [dataclasses.replace(done[0], engine_hit_rate=rate)]
             rows.extend(done)
             for row in done:
                 print(table([row]).splitlines()[-1], flush=True)
@@ -374,7 +375,7 @@ def table(rows: list[Row]) -> str:
     head = (
         "| policy | SLO attained: chat / RAG / all | goodput (req/s) | "
         "TTFT p50 / p99 chat (ms) | TTFT p50 / p99 RAG (ms) | TTFT p99 all (ms) | "
-        "shed (429) | other errors | prompt tokens cached | predictor MAPE TTFT (later half) / TPOT (n) |\n"
+        "shed (429) (of which rejected-slo) | other errors | prompt tokens cached | predictor MAPE TTFT (later half) / TPOT (n) |\n"
         "|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
@@ -389,6 +390,8 @@ def table(rows: list[Row]) -> str:
         good = sum(attained(i, r) for i, r in pairs)
         ttft = {k: [r.ttft_s for _, r in v if r.ok and r.ttft_s is not None] for k, v in by.items()}
         shed = sum(1 for r in row.results if r.status == 429)
+        # latency-slo-admitter's message (its code, rejected-slo, is past the client's snippet)
+        by_slo = sum(1 for r in row.results if r.status == 429 and "latency SLO" in (r.error or ""))
         other = sum(1 for r in row.results if not r.ok and r.status != 429)
         m_ttft, m_later, m_tpot, n = mape(row.access)
         errors = (
@@ -405,7 +408,7 @@ def table(rows: list[Row]) -> str:
             f"{_pct(good / len(pairs))} | {good / row.wall_s:.2f} | "
             f"{_ms(percentile(ttft['chat'], 50))} / {_ms(percentile(ttft['chat'], 99))} | "
             f"{_ms(percentile(ttft['rag'], 50))} / {_ms(percentile(ttft['rag'], 99))} | "
-            f"{_ms(percentile(every, 99))} | {shed} | {other} | {_pct(cached / max(1, prompt))}{engine} | "
+            f"{_ms(percentile(every, 99))} | {shed} ({by_slo}) | {other} | {_pct(cached / max(1, prompt))}{engine} | "
             f"{errors} |"
         )
     return head + "\n".join(lines)
