@@ -20,7 +20,7 @@ from servegate.scheduling.latency.plugins import (
     PredictedLatencyProducer,
     SloHeadroomTierFilter,
 )
-from servegate.scheduling.latency.predictor import SERVICE_KEY, LatencyPredictor
+from servegate.scheduling.latency.predictor import SERVICE_KEY, Accuracy, LatencyPredictor
 from servegate.scheduling.latency.slo import NO_SLO, Slo, slo_of
 from servegate.scheduling.request import LLMRequest, RequestKind
 
@@ -225,7 +225,7 @@ def test_admitter_bounds_tpot_by_its_own_measured_error() -> None:
     for s in busy:
         taught(p, s.endpoint.address, [1.0])
     assert not admitter.check(cycle(), request(tpot=20, priority=-1), busy).admitted
-    p.model("a:1").tpot_error.ratios.clear()
+    p.model("a:1").tpot_error = Accuracy()
     for _ in range(20):
         p.model("a:1").tpot_error.add(30.0, 15.0)  # a:1 has run twice as fast as predicted
     assert admitter.check(cycle(), request(tpot=20, priority=-1), busy).admitted

@@ -8,8 +8,10 @@ import pytest
 
 from servegate.pool.endpoint import Endpoint, EndpointMetrics, EndpointState, LoraInfo
 from servegate.scheduling.latency.predictor import (
+    RATIO_WINDOW,
     REMAINING_FLOOR,
     TTFT_PRIOR,
+    Accuracy,
     LatencyPredictor,
 )
 
@@ -248,3 +250,16 @@ def test_a_stream_relayed_in_one_burst_teaches_nothing() -> None:
     assert model.tpot_error.observations == 50
     after = predictor.predict(state("a:1", in_flight=2), 500, 0.0, None, now=0.0)
     assert after.tpot_ms == pytest.approx(40.0, rel=0.05)
+
+
+def test_low_ratio_is_a_quantile_of_the_latest_actual_over_predicted() -> None:
+    acc = Accuracy()
+    assert acc.low_ratio(0.1) == 1.0  # nothing measured: the point estimate
+    for actual in range(1, 11):  # ratios 0.1 … 1.0
+        acc.add(100.0, 10.0 * actual)
+    assert acc.low_ratio(0.1) == pytest.approx(0.2)  # index int(0.1 · 10) = 1
+    assert acc.low_ratio(0.0) == pytest.approx(0.1)
+    assert acc.low_ratio(1.0) == pytest.approx(1.0)
+    for _ in range(RATIO_WINDOW):  # only the latest RATIO_WINDOW count
+        acc.add(100.0, 300.0)
+    assert acc.low_ratio(0.1) == pytest.approx(3.0)

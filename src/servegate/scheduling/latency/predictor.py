@@ -121,10 +121,14 @@ class Accuracy:
     """Sum of every absolute percentage error (with `observations`: the plain MAPE)."""
     ratios: deque[float] = field(default_factory=_no_ratios)
     """The last `RATIO_WINDOW` actual / predicted ratios."""
+    _ordered: list[float] | None = None
+    """`ratios` sorted, built on first read after a change (the admitter reads it per
+    candidate; a sheddable request is checked again every 20 ms while it waits)."""
 
     def add(self, predicted: float, actual: float) -> float:
         ape = abs(predicted - actual) / max(actual, MIN_MS)
         self.ratios.append(actual / max(predicted, MIN_MS))
+        self._ordered = None
         self.abs_pct_sum += ape
         self.mape = (
             ape if self.observations == 0 else (ERROR_DECAY * self.mape + (1.0 - ERROR_DECAY) * ape)
@@ -135,10 +139,11 @@ class Accuracy:
     def low_ratio(self, quantile: float) -> float:
         """The `quantile` of the recent actual / predicted ratios (1.0 with none): a
         prediction times this is what the endpoint beat that often lately."""
-        ratios = self.ratios
-        if not ratios:
+        ordered = self._ordered
+        if ordered is None:
+            ordered = self._ordered = sorted(self.ratios)
+        if not ordered:
             return 1.0
-        ordered = sorted(ratios)
         return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
 
 
