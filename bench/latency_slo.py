@@ -188,6 +188,8 @@ class Row:
     engine_hit_rate: float | None = None
     """Real vLLM: Σ Δ`vllm:prefix_cache_hits_total` / Σ Δ`prefix_cache_queries_total`
     over the servers during this policy's run (the engine's own count)."""
+    engine_ttft_s: float | None = None
+    """Real vLLM: the mean of its own TTFT histogram over this policy's run."""
 
 
 def workload(args: argparse.Namespace) -> list[Item]:
@@ -314,9 +316,10 @@ async def run_policies(names: list[str], items: list[Item], args: argparse.Names
             )
             if before is not None and len(done) == 1:
                 after = await engine_counters(http, args.urls)
-                if after is not None and after[1] > before[1]:
+                if after is not None and after[1] > before[1] and after[3] > before[3]:
                     rate = (after[0] - before[0]) / (after[1] - before[1])
-                    done = [dataclasses.replace(done[0], engine_hit_rate=rate)]
+                    ttft = (after[2] - before[2]) / (after[3] - before[3])
+                    done = [dataclasses.replace(done[0], engine_hit_rate=rate, engine_ttft_s=ttft)]
             rows.extend(done)
             for row in done:
                 print(table([row]).splitlines()[-1], flush=True)
@@ -325,21 +328,58 @@ async def run_policies(names: list[str], items: list[Item], args: argparse.Names
 
 async def engine_counters(
     http: aiohttp.ClientSession, urls: list[str]
-) -> tuple[float, float] | None:
-    """Real vLLM's prefix-cache hits and queries (tokens), summed over the servers; None
-    for simulators or when a server does not export them."""
+) -> tuple[float, float, float, float] | None:
+    """Real vLLM's prefix-cache hits and queries (tokens) and its own TTFT histogram's sum
+    (s) and count, summed over the servers; None for simulators or when a server does not
+    export them."""
     if not urls:
         return None
-    from servegate.bench.engine_counters import scrape_counters
+    from prometheus_client.parser import text_string_to_metric_families
 
-    hits = queries = 0.0
+    wanted = (
+        "vllm:prefix_cache_hits_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:time_to_first_token_seconds_sum",
+        "vllm:time_to_first_token_seconds_count",
+    )
+    sums = dict.fromkeys(wanted, 0.0)
+    seen: set[str] = set()
     for url in urls:
-        c = await scrape_counters(http, url)
-        if c is None or c.prefix_hits is None or c.prefix_queries is None:
+        try:
+            async with http.get(url.rstrip("/") + "/metrics") as response:
+                page = await response.text()
+        except (aiohttp.ClientError, TimeoutError):
             return None
-        hits += c.prefix_hits
-        queries += c.prefix_queries
-    return hits, queries
+        for family in text_string_to_metric_families(page):
+            for sample in family.samples:
+                if sample.name in sums:
+                    sums[sample.name] += sample.value
+                    seen.add(sample.name)
+    if len(seen) < len(wanted):
+        return None
+    hits, queries, ttft_sum, ttft_count = (sums[name] for name in wanted)
+    return hits, queries, ttft_sum, ttft_count
+
+
+def engine_table(rows: list[Row]) -> str:
+    """Real vLLM: the engines' own view beside the client's, per policy. vLLM's TTFT
+    histogram runs from the request's arrival in its API server to its first token
+    there, so the gap to the client's TTFT is the gateway, the relay and the HTTP hops."""
+    head = (
+        "| policy | engine prefix-cache hit rate | TTFT mean: engine (vLLM histogram) / "
+        "client (ms) |\n|---|---|---|\n"
+    )
+    lines = []
+    for row in rows:
+        if row.engine_hit_rate is None or row.engine_ttft_s is None:
+            continue
+        client = [r.ttft_s for r in row.results if r.ok and r.ttft_s is not None]
+        mean = sum(client) / len(client) if client else None
+        lines.append(
+            f"| {row.policy} | {_pct(row.engine_hit_rate)} | "
+            f"{_ms(row.engine_ttft_s)} / {_ms(mean)} |"
+        )
+    return head + "\n".join(lines) if lines else ""
 
 
 def mape(access: list[dict[str, Any]]) -> tuple[float | None, float | None, float | None, int]:
@@ -495,6 +535,10 @@ def report(rows: list[Row], items: list[Item], args: argparse.Namespace) -> None
     print(table(rows))
     print()
     print(windows(rows, args.slices))
+    engines = engine_table(rows)
+    if engines:
+        print()
+        print(engines)
     if args.plot:
         plot(rows, args.slices, args.plot, args)
         print(f"\nplot: {args.plot}")
