@@ -223,6 +223,19 @@ class EndpointModel:
                 total += tokens * (left if left > REMAINING_FLOOR else REMAINING_FLOOR)
         return int(total), count
 
+    def overdue(self, now: float) -> float:
+        """How far past its predicted first token the most overdue request still waiting
+        for one is, as a multiple of that prediction (1.0 when none is): its TTFT is at
+        least that many times what was predicted."""
+        worst = 1.0
+        for sent_at, done_at, _, first in self.pending.values():
+            if first is None or first.ttft_ms is not None or done_at <= sent_at:
+                continue
+            ratio = (now - sent_at) / (done_at - sent_at)
+            if ratio > worst:
+                worst = ratio
+        return worst
+
     def recent_rate(self, now: float) -> float:
         """Uncached prompt tokens per second sent here lately (thousands)."""
         if self.recent_tokens <= 0.0:
@@ -345,6 +358,8 @@ class LatencyPredictor:
             if model.tpot.effective_n > 0.0:
                 tpot_theta = model.tpot.theta
         ttft = sum(t * x for t, x in zip(ttft_theta, f.ttft, strict=True))
+        if model is None or model.ttft_error.observations == 0:
+            ttft *= self.cold_factor(model, now)
         tpot = sum(t * z for t, z in zip(tpot_theta, f.tpot, strict=True))
         return Prediction(ttft if ttft > MIN_MS else MIN_MS, tpot if tpot > MIN_MS else MIN_MS, f)
 
@@ -393,8 +408,22 @@ class LatencyPredictor:
             info = m.lora
             if info is None or lora not in info.running:
                 ttft += a[8]
+        if model is None or model.ttft_error.observations == 0:
+            ttft *= self.cold_factor(model, now)
         tpot = b[0] + b[1] * decoding + b[2] * prefill + b[3] * rate + b[4] * waiting + b[5] * kv
         return (ttft if ttft > MIN_MS else MIN_MS, tpot if tpot > MIN_MS else MIN_MS)
+
+    def cold_factor(self, model: EndpointModel | None, now: float) -> float:
+        """While an endpoint has taught no TTFT, its requests still waiting past their
+        predicted first token are the only evidence of its speed: predictions there are
+        raised to match the most overdue (and, while the pool has learned nothing at all,
+        the most overdue anywhere: the priors are a fast GPU's)."""
+        worst = 1.0 if model is None else model.overdue(now)
+        if self.pool_ttft.effective_n <= 0.0:
+            for other in self.endpoints.values():
+                if other.pending:
+                    worst = max(worst, other.overdue(now))
+        return worst
 
     # -- writes (the gateway, outside scheduling) ---------------------------------------
     def dispatched(
