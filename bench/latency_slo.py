@@ -40,9 +40,14 @@ nothing, and have no predictor.
 Reported per policy: SLO attainment per class (a request attains its SLO when it
 completed with TTFT and mean inter-token time within both objectives; a shed
 request does not), goodput (requests/s that attained), p50/p99 TTFT per class (served
-requests, client side), requests shed (429), and the predictor's MAPE on this run's
-completed streams (engine-side TTFT and TPOT against what it predicted at dispatch,
-from the access log; the predictor learns under every servegate policy; n/a for a peer).
+requests, client side), requests shed (429; in parentheses those latency-slo-admitter
+shed, the rest being flow control's), prompt tokens cached (from the answers' usage;
+on real vLLM, which then runs with `--enable-prompt-tokens-details`, also the engines'
+own prefix-cache counters), and the predictor's MAPE on this run's completed streams
+(engine-side TTFT and TPOT against what it predicted at dispatch, from the access log;
+the predictor learns under every servegate policy; n/a for a peer). On real vLLM a
+second table puts vLLM's own mean TTFT (its `vllm:time_to_first_token_seconds`
+histogram) beside the client's: the time spent outside the engine.
 """
 
 from __future__ import annotations
