@@ -47,7 +47,9 @@ learns from every endpoint's observations; the pool-wide pair's prior is fixed
 (how much slower than the pool's fit its latencies have been, measured on every
 request it served), so a new endpoint starts from what the others taught, a slower
 one is costed as slower at once, also for requests unlike those it has seen, and an
-endpoint that differs otherwise moves away as its own data arrives.
+endpoint that differs otherwise moves away as its own data arrives. Before an endpoint
+has taught any TTFT, a request of its still waiting past its predicted first token is
+the only evidence of its speed (`cold_factor`).
 """
 
 from __future__ import annotations
