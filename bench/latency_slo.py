@@ -40,9 +40,14 @@ nothing, and have no predictor.
 Reported per policy: SLO attainment per class (a request attains its SLO when it
 completed with TTFT and mean inter-token time within both objectives; a shed
 request does not), goodput (requests/s that attained), p50/p99 TTFT per class (served
-requests, client side), requests shed (429), and the predictor's MAPE on this run's
-completed streams (engine-side TTFT and TPOT against what it predicted at dispatch,
-from the access log; the predictor learns under every servegate policy; n/a for a peer).
+requests, client side), requests shed (429; in parentheses those latency-slo-admitter
+shed, the rest being flow control's), prompt tokens cached (from the answers' usage;
+on real vLLM, which then runs with `--enable-prompt-tokens-details`, also the engines'
+own prefix-cache counters), and the predictor's MAPE on this run's completed streams
+(engine-side TTFT and TPOT against what it predicted at dispatch, from the access log;
+the predictor learns under every servegate policy; n/a for a peer). On real vLLM a
+second table puts vLLM's own mean TTFT (its `vllm:time_to_first_token_seconds`
+histogram) beside the client's: the time spent outside the engine.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import platform
 import random
 import sys
@@ -184,6 +190,11 @@ class Row:
     results: list[RequestResult]
     wall_s: float
     access: list[dict[str, Any]]
+    engine_hit_rate: float | None = None
+    """Real vLLM: Σ Δ`vllm:prefix_cache_hits_total` / Σ Δ`prefix_cache_queries_total`
+    over the servers during this policy's run (the engine's own count)."""
+    engine_ttft_s: float | None = None
+    """Real vLLM: the mean of its own TTFT histogram over this policy's run."""
 
 
 def workload(args: argparse.Namespace) -> list[Item]:
@@ -304,13 +315,76 @@ async def run_policies(names: list[str], items: list[Item], args: argparse.Names
 
                 await reset_prefix_caches(http, args.urls)
             fronts = [await start_policy(n, args, stack) for n in group]
+            before = await engine_counters(http, args.urls)
             done = await asyncio.gather(
                 *(drive(n, f, items, http) for n, f in zip(group, fronts, strict=True))
             )
+            if before is not None and len(done) == 1:
+                after = await engine_counters(http, args.urls)
+                if after is not None and after[1] > before[1] and after[3] > before[3]:
+                    rate = (after[0] - before[0]) / (after[1] - before[1])
+                    ttft = (after[2] - before[2]) / (after[3] - before[3])
+                    done = [dataclasses.replace(done[0], engine_hit_rate=rate, engine_ttft_s=ttft)]
             rows.extend(done)
             for row in done:
                 print(table([row]).splitlines()[-1], flush=True)
     return rows
+
+
+async def engine_counters(
+    http: aiohttp.ClientSession, urls: list[str]
+) -> tuple[float, float, float, float] | None:
+    """Real vLLM's prefix-cache hits and queries (tokens) and its own TTFT histogram's sum
+    (s) and count, summed over the servers; None for simulators or when a server does not
+    export them."""
+    if not urls:
+        return None
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = (
+        "vllm:prefix_cache_hits_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:time_to_first_token_seconds_sum",
+        "vllm:time_to_first_token_seconds_count",
+    )
+    sums = dict.fromkeys(wanted, 0.0)
+    seen: set[str] = set()
+    for url in urls:
+        try:
+            async with http.get(url.rstrip("/") + "/metrics") as response:
+                page = await response.text()
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+        for family in text_string_to_metric_families(page):
+            for sample in family.samples:
+                if sample.name in sums:
+                    sums[sample.name] += sample.value
+                    seen.add(sample.name)
+    if len(seen) < len(wanted):
+        return None
+    hits, queries, ttft_sum, ttft_count = (sums[name] for name in wanted)
+    return hits, queries, ttft_sum, ttft_count
+
+
+def engine_table(rows: list[Row]) -> str:
+    """Real vLLM: the engines' own view beside the client's, per policy. vLLM's TTFT
+    histogram runs from the request's arrival in its API server to its first token
+    there, so the gap to the client's TTFT is the gateway, the relay and the HTTP hops."""
+    head = (
+        "| policy | engine prefix-cache hit rate | TTFT mean: engine (vLLM histogram) / "
+        "client (ms) |\n|---|---|---|\n"
+    )
+    lines = []
+    for row in rows:
+        if row.engine_hit_rate is None or row.engine_ttft_s is None:
+            continue
+        client = [r.ttft_s for r in row.results if r.ok and r.ttft_s is not None]
+        mean = sum(client) / len(client) if client else None
+        lines.append(
+            f"| {row.policy} | {_pct(row.engine_hit_rate)} | "
+            f"{_ms(row.engine_ttft_s)} / {_ms(mean)} |"
+        )
+    return head + "\n".join(lines) if lines else ""
 
 
 def mape(access: list[dict[str, Any]]) -> tuple[float | None, float | None, float | None, int]:
@@ -346,7 +420,7 @@ def table(rows: list[Row]) -> str:
     head = (
         "| policy | SLO attained: chat / RAG / all | goodput (req/s) | "
         "TTFT p50 / p99 chat (ms) | TTFT p50 / p99 RAG (ms) | TTFT p99 all (ms) | "
-        "shed (429) | other errors | prompt tokens cached | predictor MAPE TTFT (later half) / TPOT (n) |\n"
+        "shed (429) (of which rejected-slo) | other errors | prompt tokens cached | predictor MAPE TTFT (later half) / TPOT (n) |\n"
         "|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
@@ -361,6 +435,8 @@ def table(rows: list[Row]) -> str:
         good = sum(attained(i, r) for i, r in pairs)
         ttft = {k: [r.ttft_s for _, r in v if r.ok and r.ttft_s is not None] for k, v in by.items()}
         shed = sum(1 for r in row.results if r.status == 429)
+        # latency-slo-admitter's message (its code, rejected-slo, is past the client's snippet)
+        by_slo = sum(1 for r in row.results if r.status == 429 and "latency SLO" in (r.error or ""))
         other = sum(1 for r in row.results if not r.ok and r.status != 429)
         m_ttft, m_later, m_tpot, n = mape(row.access)
         errors = (
@@ -371,12 +447,13 @@ def table(rows: list[Row]) -> str:
         every = ttft["chat"] + ttft["rag"]
         prompt = sum(r.prompt_tokens or 0 for r in row.results if r.ok)
         cached = sum(r.cached_tokens or 0 for r in row.results if r.ok)
+        engine = "" if row.engine_hit_rate is None else f" (engine {_pct(row.engine_hit_rate)})"
         lines.append(
             f"| {row.policy} | {_pct(rate['chat'])} / {_pct(rate['rag'])} / "
             f"{_pct(good / len(pairs))} | {good / row.wall_s:.2f} | "
             f"{_ms(percentile(ttft['chat'], 50))} / {_ms(percentile(ttft['chat'], 99))} | "
             f"{_ms(percentile(ttft['rag'], 50))} / {_ms(percentile(ttft['rag'], 99))} | "
-            f"{_ms(percentile(every, 99))} | {shed} | {other} | {_pct(cached / max(1, prompt))} | "
+            f"{_ms(percentile(every, 99))} | {shed} ({by_slo}) | {other} | {_pct(cached / max(1, prompt))}{engine} | "
             f"{errors} |"
         )
     return head + "\n".join(lines)
@@ -463,6 +540,10 @@ def report(rows: list[Row], items: list[Item], args: argparse.Namespace) -> None
     print(table(rows))
     print()
     print(windows(rows, args.slices))
+    engines = engine_table(rows)
+    if engines:
+        print()
+        print(engines)
     if args.plot:
         plot(rows, args.slices, args.plot, args)
         print(f"\nplot: {args.plot}")
@@ -522,7 +603,10 @@ def run_on_vllm(args: argparse.Namespace) -> None:
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     workdir = Path(tempfile.mkdtemp(prefix="servegate-latency-"))
-    cluster = VllmCluster(build_tiny_model(), ClusterSettings(replicas=args.vllm), workdir / "vllm")
+    # vLLM reports `usage.prompt_tokens_details.cached_tokens` only with this flag; without
+    # it the cached-tokens column read 0 % and the gateway never saw the engine's count
+    settings = ClusterSettings(replicas=args.vllm, extra_args=("--enable-prompt-tokens-details",))
+    cluster = VllmCluster(build_tiny_model(), settings, workdir / "vllm")
     try:
         cluster.start()
         print(f"{args.vllm} vLLM servers healthy after {cluster.startup_s:.0f} s", flush=True)

@@ -80,13 +80,17 @@ async def post(
         return r.status, dict(r.headers), await r.read()
 
 
-async def freeze_busy(gw: GatewayRunner) -> None:
-    """Stop the data layer and make every endpoint look busy and warm (not idle, not cold)."""
+async def freeze_busy(gw: GatewayRunner, learned: int = 20) -> None:
+    """Stop the data layer and make every endpoint look busy and warm (not idle, not cold),
+    its latency model having measured `learned` streams, each as predicted."""
     runtime = gw.gateway.default
     await gw.running.feeds[runtime.state].datalayer.stop()
     for state in runtime.pool:
         runtime.pool.set_metrics(state.address, replace(state.metrics, kv_usage=0.5))
         runtime.pool.acquire(state, 0)
+        model = runtime.state.latency.model(state.address)
+        for _ in range(learned):
+            model.ttft_error.add(100.0, 100.0)
 
 
 def release_all(gw: GatewayRunner) -> None:
@@ -116,6 +120,17 @@ async def test_sheddable_request_that_would_miss_its_slo_is_shed(
         assert (await post(session, gw, ttft_ms=0.001, sheddable=True))[0] == 200
         page = (await (await session.get(gw.url + "/metrics")).read()).decode()
         assert 'servegate_latency_slo_shed_total{inference_pool="default"} 1.0' in page
+
+
+async def test_sheddable_request_is_served_while_the_latency_model_is_still_learning(
+    cluster: SimCluster, session: aiohttp.ClientSession
+) -> None:
+    async with GatewayRunner(config(cluster.urls)) as gw:
+        await wait_ready(gw, len(cluster))
+        await freeze_busy(gw, learned=19)
+        assert (await post(session, gw, ttft_ms=0.001, sheddable=True))[0] == 200
+        page = (await (await session.get(gw.url + "/metrics")).read()).decode()
+        assert 'servegate_latency_slo_shed_total{inference_pool="default"} 0.0' in page
 
 
 async def test_held_request_is_admitted_when_an_endpoint_frees_up(

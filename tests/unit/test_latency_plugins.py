@@ -20,7 +20,7 @@ from servegate.scheduling.latency.plugins import (
     PredictedLatencyProducer,
     SloHeadroomTierFilter,
 )
-from servegate.scheduling.latency.predictor import SERVICE_KEY, LatencyPredictor
+from servegate.scheduling.latency.predictor import SERVICE_KEY, Accuracy, LatencyPredictor
 from servegate.scheduling.latency.slo import NO_SLO, Slo, slo_of
 from servegate.scheduling.request import LLMRequest, RequestKind
 
@@ -159,10 +159,20 @@ def test_tier_filter_explores_the_negative_tier_with_its_epsilon() -> None:
     assert SloHeadroomTierFilter("t", 1.0, p).filter(cycle(), request(ttft=9999), eps) == eps
 
 
+def taught(p: LatencyPredictor, address: str, ratios: list[float], n: int = 20) -> None:
+    """`n` streams on `address` measured at these actual / predicted ratios (cycled)."""
+    model = p.model(address)
+    for i in range(n):
+        model.ttft_error.add(100.0, 100.0 * ratios[i % len(ratios)])
+        model.tpot_error.add(10.0, 10.0 * ratios[i % len(ratios)])
+
+
 def test_admitter_sheds_only_sheddable_requests_that_nothing_can_serve_in_time() -> None:
     p = predictor_with(100.0, 0.0)
     admitter = LatencySloAdmitter("a", 0.0, p)
     busy = [state("a:1", in_flight=2), state("b:1", in_flight=3)]  # 210 / 310 ms
+    for s in busy:
+        taught(p, s.endpoint.address, [1.0])  # predictions have been exact
     assert not admitter.check(cycle(), request(ttft=100, priority=-1), busy).admitted
     assert admitter.check(cycle(), request(ttft=100, priority=0), busy).admitted
     assert admitter.check(cycle(), request(priority=-1), busy).admitted
@@ -171,6 +181,54 @@ def test_admitter_sheds_only_sheddable_requests_that_nothing_can_serve_in_time()
     assert admitter.check(cycle(), request(ttft=100, priority=-1), idle).reason.endswith("idle")
     cold = [*busy, state("c:1", in_flight=4, kv=0.01)]
     assert admitter.check(cycle(), request(ttft=100, priority=-1), cold).reason.endswith("cold")
+
+
+def test_admitter_never_sheds_while_an_endpoint_model_is_still_learning() -> None:
+    p = predictor_with(100.0, 0.0)
+    admitter = LatencySloAdmitter("a", 0.0, p, min_observations=20)
+    busy = [state("a:1", in_flight=2), state("b:1", in_flight=3)]  # 210 / 310 ms
+    taught(p, "a:1", [1.0])
+    sheddable = request(ttft=100, priority=-1)
+    assert admitter.check(cycle(), sheddable, busy).reason.endswith("still learning")
+    taught(p, "b:1", [1.0], n=19)
+    assert admitter.check(cycle(), sheddable, busy).admitted
+    taught(p, "b:1", [1.0], n=1)  # the 20th stream: both models have learned enough
+    assert not admitter.check(cycle(), sheddable, busy).admitted
+
+
+@pytest.mark.parametrize(
+    ("ratios", "slo_ms", "admitted"),
+    [
+        # 210 ms predicted on a:1; the 10th percentile of its ratios is the bound
+        pytest.param([1.0], 150, False, id="exact-model-misses"),
+        pytest.param([0.5, 1.0, 1.5], 150, True, id="half-as-often-105ms-meets"),
+        pytest.param([0.5, 1.0, 1.5], 100, False, id="even-at-105ms-misses"),
+        pytest.param([0.9, 1.0, 1.1, 1.2], 150, False, id="tight-error-189ms-misses"),
+    ],
+)
+def test_admitter_weighs_the_prediction_by_its_measured_error(
+    ratios: list[float], slo_ms: float, admitted: bool
+) -> None:
+    p = predictor_with(100.0, 0.0)
+    admitter = LatencySloAdmitter("a", 0.0, p, shed_quantile=0.1)
+    busy = [state("a:1", in_flight=2), state("b:1", in_flight=3)]  # 210 / 310 ms
+    taught(p, "a:1", ratios, n=30)
+    taught(p, "b:1", [1.0], n=30)
+    verdict = admitter.check(cycle(), request(ttft=slo_ms, priority=-1), busy)
+    assert verdict.admitted is admitted, verdict.reason
+
+
+def test_admitter_bounds_tpot_by_its_own_measured_error() -> None:
+    p = predictor_with(0.0, 10.0)  # TPOT 10 + 10 · in_flight: 30 / 40 ms
+    admitter = LatencySloAdmitter("a", 0.0, p)
+    busy = [state("a:1", in_flight=2), state("b:1", in_flight=3)]
+    for s in busy:
+        taught(p, s.endpoint.address, [1.0])
+    assert not admitter.check(cycle(), request(tpot=20, priority=-1), busy).admitted
+    p.model("a:1").tpot_error = Accuracy()
+    for _ in range(20):
+        p.model("a:1").tpot_error.add(30.0, 15.0)  # a:1 has run twice as fast as predicted
+    assert admitter.check(cycle(), request(tpot=20, priority=-1), busy).admitted
 
 
 def test_producer_predicts_every_candidate_once_with_the_prefix_match() -> None:

@@ -8,8 +8,10 @@ import pytest
 
 from servegate.pool.endpoint import Endpoint, EndpointMetrics, EndpointState, LoraInfo
 from servegate.scheduling.latency.predictor import (
+    RATIO_WINDOW,
     REMAINING_FLOOR,
     TTFT_PRIOR,
+    Accuracy,
     LatencyPredictor,
 )
 
@@ -248,3 +250,52 @@ def test_a_stream_relayed_in_one_burst_teaches_nothing() -> None:
     assert model.tpot_error.observations == 50
     after = predictor.predict(state("a:1", in_flight=2), 500, 0.0, None, now=0.0)
     assert after.tpot_ms == pytest.approx(40.0, rel=0.05)
+
+
+def test_low_ratio_is_a_quantile_of_the_latest_actual_over_predicted() -> None:
+    acc = Accuracy()
+    assert acc.low_ratio(0.1) == 1.0  # nothing measured: the point estimate
+    for actual in range(1, 11):  # ratios 0.1 … 1.0
+        acc.add(100.0, 10.0 * actual)
+    assert acc.low_ratio(0.1) == pytest.approx(0.2)  # index int(0.1 · 10) = 1
+    assert acc.low_ratio(0.0) == pytest.approx(0.1)
+    assert acc.low_ratio(1.0) == pytest.approx(1.0)
+    for _ in range(RATIO_WINDOW):  # only the latest RATIO_WINDOW count
+        acc.add(100.0, 300.0)
+    assert acc.low_ratio(0.1) == pytest.approx(3.0)
+
+
+class _Record:
+    ttft_ms: float | None = None
+
+
+def test_while_nothing_is_learned_an_overdue_first_token_raises_every_prediction() -> None:
+    predictor = LatencyPredictor()
+    p = predictor.predict(state("a:1"), 1000, 0.0, None, now=0.0)
+    record = _Record()
+    predictor.dispatched("a:1", p, now=0.0, first_token=record)
+    later = 5.0 * p.ttft_ms / 1000.0  # a:1's first token is 5× overdue
+    b = predictor.predict(state("b:1"), 1000, 0.0, None, now=later)
+    assert b.ttft_ms == pytest.approx(5.0 * (TTFT_PRIOR[0] + TTFT_PRIOR[1]))
+    assert predictor.estimate(state("b:1"), 1000, 0.0, None, later)[0] == pytest.approx(b.ttft_ms)
+    record.ttft_ms = 300.0
+    predictor.learn_ttft("a:1", p, 300.0)  # once something is learned, the fit decides
+    b = predictor.predict(state("b:1"), 1000, 0.0, None, now=later)
+    assert b.ttft_ms == pytest.approx(predictor.pool_ttft.predict(b.features.ttft))
+
+
+def test_an_overdue_first_token_raises_predictions_only_where_nothing_was_learned() -> None:
+    predictor = LatencyPredictor()
+    for i in range(30):  # a:1 teaches the pool
+        p = predictor.predict(state("a:1"), 1000, 0.0, None, now=float(i))
+        key = predictor.dispatched("a:1", p, now=float(i))
+        predictor.completed("a:1", key, p, 200.0, 10.0)
+    now = 100.0
+    for address in ("a:1", "c:1"):  # each has a request 3× overdue
+        p = predictor.predict(state(address), 1000, 0.0, None, now=now)
+        predictor.dispatched(address, p, now=now, first_token=_Record())
+    later = now + 3.0 * p.ttft_ms / 1000.0
+    c = predictor.predict(state("c:1", in_flight=1), 500, 0.0, None, now=later)
+    assert c.ttft_ms == pytest.approx(3.0 * predictor.pool_ttft.predict(c.features.ttft))
+    a = predictor.predict(state("a:1", in_flight=1), 500, 0.0, None, now=later)
+    assert a.ttft_ms == pytest.approx(predictor.endpoints["a:1"].ttft.predict(a.features.ttft))

@@ -8,8 +8,9 @@
 - `slo-headroom-tier-filter`: keeps the endpoints predicted to meet the SLO
   (with a small chance of keeping only the others, so recovering replicas are seen).
 - `latency-slo-admitter`: sheds sheddable requests (priority < 0) that no endpoint
-  is predicted to serve within their SLO (declared under `plugins` only; the gateway
-  runs it before scheduling, as llm-d's admission step).
+  is likely to serve within their SLO, given each endpoint's measured prediction error
+  (declared under `plugins` only; the gateway runs it before scheduling, as llm-d's
+  admission step).
 
 Every plugin reads predictions through one `PredictionSource`: the producer's when
 one is declared, else one that reads every declared prefix scorer for the match.
@@ -452,6 +453,14 @@ class AdmitterParameters(Parameters):
     queue_timeout_ms: float = Field(0.0, alias="queueTimeoutMs", ge=0)
     """servegate: how long a sheddable request may wait for an endpoint that can meet
     its SLO before it is shed (0, llm-d's behaviour: shed at once)."""
+    min_observations: int = Field(20, alias="minObservations", ge=1)
+    """servegate: an endpoint whose model has learned fewer streams than this (in a
+    dimension the request has an objective for) is cold; while one is, nothing is shed."""
+    shed_quantile: float = Field(0.1, alias="shedQuantile", gt=0.0, le=1.0)
+    """servegate: each prediction is scaled by this quantile of the endpoint's recent
+    actual / predicted ratios before it is compared with the SLO: a request is shed only
+    when every endpoint would miss even if it beat its prediction as it did the
+    `shedQuantile` best of the last 50 times."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -464,13 +473,16 @@ class LatencySloAdmitter(_SourceUser):
     """`latency-slo-admitter`: shed sheddable requests no endpoint can serve within SLO.
 
     A request with priority ≥ 0 or without an SLO is always admitted. A sheddable one
-    (priority < 0) is admitted when some candidate is predicted to meet its SLO, or is
-    idle (nothing in flight: its prediction is least trustworthy and it costs nothing
-    to try), or is cold (KV usage under 2 %); otherwise it is shed with 429, after
-    waiting up to `queueTimeoutMs` for one of those to become true.
+    (priority < 0) is admitted when some candidate is idle (nothing in flight: its
+    prediction is least trustworthy and it costs nothing to try), cold (KV usage under
+    2 %), or still learning (fewer than `minObservations` streams), or may meet its SLO:
+    shedding is irreversible, so the prediction it is compared with is the optimistic
+    end of what the endpoint measured, `predicted × q-quantile(actual / predicted)` over
+    its last 50 streams (`shedQuantile`). Otherwise it is shed with 429, after waiting
+    up to `queueTimeoutMs` for one of those to become true.
     """
 
-    __slots__ = ("queue_timeout_s",)
+    __slots__ = ("min_observations", "queue_timeout_s", "shed_quantile")
     type: ClassVar[str] = "latency-slo-admitter"
 
     def __init__(
@@ -478,14 +490,18 @@ class LatencySloAdmitter(_SourceUser):
         name: str | None = None,
         queue_timeout_ms: float = 0.0,
         predictor: LatencyPredictor | None = None,
+        min_observations: int = 20,
+        shed_quantile: float = 0.1,
     ) -> None:
         super().__init__(name, predictor or LatencyPredictor())
         self.queue_timeout_s = queue_timeout_ms / 1000.0
+        self.min_observations = min_observations
+        self.shed_quantile = shed_quantile
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
         p = decode_parameters(AdmitterParameters, cls.type, name, parameters)
-        return cls(name, p.queue_timeout_ms, _predictor(ctx))
+        return cls(name, p.queue_timeout_ms, _predictor(ctx), p.min_observations, p.shed_quantile)
 
     def check(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
@@ -502,10 +518,35 @@ class LatencySloAdmitter(_SourceUser):
         if any(s.metrics.kv_usage < COLD_KV_USAGE for s in endpoints):
             return Verdict(True, "an endpoint is cold")
         source = self.source
-        slo, ttft, tpot = source.headrooms(cycle, request, endpoints)
-        if any(source.meeting(slo, ttft, tpot)):
-            return Verdict(True, "an endpoint meets the SLO")
-        return Verdict(False, "no endpoint is predicted to meet the request's latency SLO")
+        check_ttft = slo.ttft_ms is not None
+        check_tpot = slo.tpot_ms is not None and source.streaming
+        models = source.predictor.endpoints
+        low_ttft: list[float] = []
+        low_tpot: list[float] = []
+        for state in endpoints:
+            model = models.get(state.endpoint.address)
+            if model is None:
+                return Verdict(True, "an endpoint's latency model is still learning")
+            ttft_err, tpot_err = model.ttft_error, model.tpot_error
+            if (check_ttft and ttft_err.observations < self.min_observations) or (
+                check_tpot and tpot_err.observations < self.min_observations
+            ):
+                return Verdict(True, "an endpoint's latency model is still learning")
+            low_ttft.append(ttft_err.low_ratio(self.shed_quantile))
+            low_tpot.append(tpot_err.low_ratio(self.shed_quantile))
+        preds = source.predictions(cycle, request, endpoints)
+        spent = elapsed_ms(cycle, request)
+        buf = source.buffer
+        for (ttft, tpot), lo_ttft, lo_tpot in zip(preds, low_ttft, low_tpot, strict=True):
+            ttft_ok = not check_ttft or spent + ttft * buf * lo_ttft <= (slo.ttft_ms or 0.0)
+            tpot_ok = not check_tpot or tpot * buf * lo_tpot <= (slo.tpot_ms or 0.0)
+            if ttft_ok and tpot_ok:
+                return Verdict(True, "an endpoint may meet the SLO")
+        return Verdict(
+            False,
+            "no endpoint is predicted to meet the request's latency SLO, even at the "
+            "low end of its measured prediction error",
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

@@ -47,12 +47,15 @@ learns from every endpoint's observations; the pool-wide pair's prior is fixed
 (how much slower than the pool's fit its latencies have been, measured on every
 request it served), so a new endpoint starts from what the others taught, a slower
 one is costed as slower at once, also for requests unlike those it has seen, and an
-endpoint that differs otherwise moves away as its own data arrives.
+endpoint that differs otherwise moves away as its own data arrives. Before an endpoint
+has taught any TTFT, a request of its still waiting past its predicted first token is
+the only evidence of its speed (`cold_factor`).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -100,6 +103,13 @@ SPEED_CLIP = 2.0
 """One observation moves an endpoint's log speed by at most this (a stalled request)."""
 RATE_WINDOW_S = 10.0
 """Time constant of the recent-prompt-tokens rate (the TPOT feature)."""
+RATIO_WINDOW = 50
+"""Recent actual / predicted ratios kept per endpoint and target: the measured error an
+irreversible decision (shedding) is weighed against."""
+
+
+def _no_ratios() -> deque[float]:
+    return deque(maxlen=RATIO_WINDOW)
 
 
 @dataclass(slots=True)
@@ -111,15 +121,32 @@ class Accuracy:
     """Exponentially weighted mean absolute percentage error, as a fraction."""
     abs_pct_sum: float = 0.0
     """Sum of every absolute percentage error (with `observations`: the plain MAPE)."""
+    ratios: deque[float] = field(default_factory=_no_ratios)
+    """The last `RATIO_WINDOW` actual / predicted ratios."""
+    _ordered: list[float] | None = None
+    """`ratios` sorted, built on first read after a change (the admitter reads it per
+    candidate; a sheddable request is checked again every 20 ms while it waits)."""
 
     def add(self, predicted: float, actual: float) -> float:
         ape = abs(predicted - actual) / max(actual, MIN_MS)
+        self.ratios.append(actual / max(predicted, MIN_MS))
+        self._ordered = None
         self.abs_pct_sum += ape
         self.mape = (
             ape if self.observations == 0 else (ERROR_DECAY * self.mape + (1.0 - ERROR_DECAY) * ape)
         )
         self.observations += 1
         return ape
+
+    def low_ratio(self, quantile: float) -> float:
+        """The `quantile` of the recent actual / predicted ratios (1.0 with none): a
+        prediction times this is what the endpoint beat that often lately."""
+        ordered = self._ordered
+        if ordered is None:
+            ordered = self._ordered = sorted(self.ratios)
+        if not ordered:
+            return 1.0
+        return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
 
 
 class FirstToken(Protocol):
@@ -197,6 +224,19 @@ class EndpointModel:
                 left = (done_at - now) / (done_at - sent_at)
                 total += tokens * (left if left > REMAINING_FLOOR else REMAINING_FLOOR)
         return int(total), count
+
+    def overdue(self, now: float) -> float:
+        """How far past its predicted first token the most overdue request still waiting
+        for one is, as a multiple of that prediction (1.0 when none is): its TTFT is at
+        least that many times what was predicted."""
+        worst = 1.0
+        for sent_at, done_at, _, first in self.pending.values():
+            if first is None or first.ttft_ms is not None or done_at <= sent_at:
+                continue
+            ratio = (now - sent_at) / (done_at - sent_at)
+            if ratio > worst:
+                worst = ratio
+        return worst
 
     def recent_rate(self, now: float) -> float:
         """Uncached prompt tokens per second sent here lately (thousands)."""
@@ -320,6 +360,8 @@ class LatencyPredictor:
             if model.tpot.effective_n > 0.0:
                 tpot_theta = model.tpot.theta
         ttft = sum(t * x for t, x in zip(ttft_theta, f.ttft, strict=True))
+        if model is None or model.ttft_error.observations == 0:
+            ttft *= self.cold_factor(model, now)
         tpot = sum(t * z for t, z in zip(tpot_theta, f.tpot, strict=True))
         return Prediction(ttft if ttft > MIN_MS else MIN_MS, tpot if tpot > MIN_MS else MIN_MS, f)
 
@@ -368,8 +410,22 @@ class LatencyPredictor:
             info = m.lora
             if info is None or lora not in info.running:
                 ttft += a[8]
+        if model is None or model.ttft_error.observations == 0:
+            ttft *= self.cold_factor(model, now)
         tpot = b[0] + b[1] * decoding + b[2] * prefill + b[3] * rate + b[4] * waiting + b[5] * kv
         return (ttft if ttft > MIN_MS else MIN_MS, tpot if tpot > MIN_MS else MIN_MS)
+
+    def cold_factor(self, model: EndpointModel | None, now: float) -> float:
+        """While an endpoint has taught no TTFT, its requests still waiting past their
+        predicted first token are the only evidence of its speed: predictions there are
+        raised to match the most overdue (and, while the pool has learned nothing at all,
+        the most overdue anywhere: the priors are a fast GPU's)."""
+        worst = 1.0 if model is None else model.overdue(now)
+        if self.pool_ttft.effective_n <= 0.0:
+            for other in self.endpoints.values():
+                if other.pending:
+                    worst = max(worst, other.overdue(now))
+        return worst
 
     # -- writes (the gateway, outside scheduling) ---------------------------------------
     def dispatched(
