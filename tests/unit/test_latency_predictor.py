@@ -299,3 +299,52 @@ def test_an_overdue_first_token_raises_predictions_only_where_nothing_was_learne
     assert c.ttft_ms == pytest.approx(3.0 * predictor.pool_ttft.predict(c.features.ttft))
     a = predictor.predict(state("a:1", in_flight=1), 500, 0.0, None, now=later)
     assert a.ttft_ms == pytest.approx(predictor.endpoints["a:1"].ttft.predict(a.features.ttft))
+
+
+def test_a_replica_slow_only_at_first_is_tried_again_and_learned_fast() -> None:
+    """Pessimism that starves: a replica whose first requests were slow (an engine warming
+    up) is predicted slow, never chosen, and so never corrected; once passed over long
+    enough with nothing in flight, its prediction moves back towards the pool's fit."""
+    predictor = LatencyPredictor()
+
+    def serve(address: str, ttft_ms: float) -> None:
+        p = predictor.predict(state(address), 200, 0.0, None, now=0.0)
+        key = predictor.dispatched(address, p, now=0.0)
+        predictor.completed(address, key, p, ttft_ms, 10.0)
+
+    for _ in range(3):
+        serve("warm:1", 800.0)  # warm-up: 8x its later pace
+    for _ in range(20):
+        serve("busy:1", 100.0)
+    chosen = []
+    for _ in range(200):  # both now serve in 100 ms; the busy one has 2 requests queued
+        candidates = {
+            a: state(a, waiting=2.0 if a == "busy:1" else 0.0) for a in predictor.endpoints
+        }
+        est = {a: predictor.estimate(s, 200, 0.0, None, now=0.0)[0] for a, s in candidates.items()}
+        for (
+            a,
+            s,
+        ) in candidates.items():  # the hot path agrees with the full prediction, stale or not
+            assert est[a] == pytest.approx(predictor.predict(s, 200, 0.0, None, now=0.0).ttft_ms)
+        address = min(est, key=lambda a: est[a])
+        chosen.append(address)
+        serve(address, 100.0)
+    assert "warm:1" in chosen[:40]  # tried again within a few rounds of being passed over
+    assert chosen[-50:].count("warm:1") >= 10  # and, learned fast, used
+
+
+def test_a_replica_passed_over_keeps_its_own_fit_while_it_has_requests_in_flight() -> None:
+    predictor = LatencyPredictor()
+    for address, ms in (("slow:1", 800.0), ("fast:1", 100.0)):
+        p = predictor.predict(state(address), 200, 0.0, None, now=0.0)
+        predictor.completed(address, predictor.dispatched(address, p, now=0.0), p, ms, 10.0)
+    held = predictor.predict(state("slow:1"), 200, 0.0, None, now=0.0)
+    predictor.dispatched("slow:1", held, now=0.0)  # a long stream still running there
+    for _ in range(50):
+        p = predictor.predict(state("fast:1"), 200, 0.0, None, now=0.0)
+        predictor.completed("fast:1", predictor.dispatched("fast:1", p, now=0.0), p, 100.0, 10.0)
+    slow = predictor.endpoints["slow:1"]
+    assert predictor.stale_weight(slow) == 1.0
+    slow.pending.clear()
+    assert predictor.stale_weight(slow) < 0.01  # 50 dispatches passed it over, 8 is the bound
