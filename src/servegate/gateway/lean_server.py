@@ -163,6 +163,9 @@ class LeanServer:
         self.guard = guard
         self.aiohttp_factory: Callable[[], asyncio.Protocol] = _no_aiohttp
         self.tasks: set[asyncio.Task[None]] = set()
+        self.connections: set[LeanProtocol] = set()
+        self.closing = False
+        """Shutting down: no new request is read, and a connection closes once it is idle."""
 
     def front(
         self, aiohttp_factory: Callable[[], asyncio.Protocol]
@@ -173,14 +176,20 @@ class LeanServer:
         return lambda: LeanProtocol(self)
 
     async def drain(self, timeout_s: float) -> None:
-        """Waits up to `timeout_s` for the requests in flight, then cancels the rest."""
-        if not self.tasks:
-            return
-        _, pending = await asyncio.wait(set(self.tasks), timeout=timeout_s)
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending)
+        """At shutdown (after the listener closed): idle connections close now, requests in
+        flight get up to `timeout_s` to finish and are then cancelled, as aiohttp's own
+        `shutdown_timeout` does for its connections."""
+        self.closing = True
+        for conn in list(self.connections):
+            conn.close_if_idle()
+        if self.tasks:
+            _, pending = await asyncio.wait(set(self.tasks), timeout=timeout_s)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
+        for conn in list(self.connections):
+            conn.close_if_idle()
 
 
 def _no_aiohttp() -> asyncio.Protocol:
@@ -240,6 +249,11 @@ class LeanProtocol(asyncio.Protocol):
         self.url = b""
         self.raw_headers: list[tuple[str, str]] = []
         self.body_size = 0
+        self.in_head = False
+        self.head_bytes = 0
+        self.max_head = self.max_line + settings.max_headers * (self.max_field + 4)
+        """More bytes than this before a head ends cannot be a head within the limits
+        (httptools gathers a header's value whole before `on_header` sees it)."""
         self.reading: _Request | None = None
         """The request whose body the parser is reading (None between requests)."""
         self.queue: list[_Request] = []
@@ -259,6 +273,7 @@ class LeanProtocol(asyncio.Protocol):
         transport = cast(asyncio.Transport, transport)
         self.transport = transport
         self.guarded = self.server.guard.lookup(transport)
+        self.server.connections.add(self)
         peer = transport.get_extra_info("peername")
         self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         self._arm_idle()
@@ -278,6 +293,7 @@ class LeanProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        self.server.connections.discard(self)
         if self.idle_timer is not None:
             self.idle_timer.cancel()
             self.idle_timer = None
@@ -306,6 +322,11 @@ class LeanProtocol(asyncio.Protocol):
         elif self.tracking:
             self.buffer += data
         self.completed_in_read = False
+        if self.in_head:
+            self.head_bytes += len(data)
+            if self.head_bytes > self.max_head:
+                self._stop(BadRequest(f"the request head is longer than {self.max_head} bytes"))
+                return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -331,6 +352,8 @@ class LeanProtocol(asyncio.Protocol):
         if self.completed_in_read:
             self.tracking = False  # pipelined behind another request in the same read
         self.at_boundary = False
+        self.in_head = True
+        self.head_bytes = 0
         self.url = b""
         self.raw_headers = []
         self.body_size = 0
@@ -348,12 +371,21 @@ class LeanProtocol(asyncio.Protocol):
         self.raw_headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
+        self.in_head = False
         parser = self.parser
         path, _, _ = self.url.partition(b"?")
         kind = LEAN_ROUTES.get(path)
-        if kind is None or parser.get_method() != b"POST" or parser.should_upgrade():
+        if (
+            kind is None
+            or parser.get_method() != b"POST"
+            or parser.get_http_version() != "1.1"  # HTTP/1.0 has no chunked answers
+            or parser.should_upgrade()
+        ):
             raise _HandOver
         headers = CIMultiDict(self.raw_headers)
+        encoding = headers.get("Content-Encoding")
+        if encoding is not None and encoding.strip().lower() != "identity":
+            raise _HandOver  # aiohttp decodes compressed request bodies
         length = headers.get("Content-Length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             raise _Refuse(BodyTooLarge(f"request body exceeds the limit of {self.max_body} bytes"))
@@ -426,6 +458,7 @@ class LeanProtocol(asyncio.Protocol):
             if not request.done and request.error is None:
                 await self._await_body(request, settings)
             if request.error is not None:
+                self.keep_alive = False
                 raise request.error
             body = request.body
             request.body = []
@@ -450,6 +483,7 @@ class LeanProtocol(asyncio.Protocol):
             async with asyncio.timeout(settings.body_timeout_s):
                 await waiter
         except TimeoutError as exc:
+            self.keep_alive = False  # answered with `Connection: close`, as aiohttp does
             raise RequestTimeout(
                 f"the request body did not arrive within {settings.body_timeout_s:g} s"
             ) from exc
@@ -470,7 +504,7 @@ class LeanProtocol(asyncio.Protocol):
         if failed:
             transport.abort()
             return
-        if task.cancelled() or not self.keep_alive:
+        if task.cancelled() or not self.keep_alive or self.server.closing:
             transport.close()
             return
         self.last_active = time.monotonic()
@@ -486,7 +520,13 @@ class LeanProtocol(asyncio.Protocol):
     # -- writing ---------------------------------------------------------------------------
 
     def connection_line(self) -> bytes:
-        return b"" if self.keep_alive else b"Connection: close\r\n"
+        if self.keep_alive and not self.server.closing:
+            return b""
+        return b"Connection: close\r\n"
+
+    def close_if_idle(self) -> None:
+        if not self.queue and self.transport is not None:
+            self.transport.close()
 
     def _write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
