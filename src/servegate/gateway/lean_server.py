@@ -287,9 +287,9 @@ class LeanProtocol(asyncio.Protocol):
         self._feed(data)
 
     def eof_received(self) -> bool | None:
-        if not self.queue and self.transport is not None:
-            self.transport.close()
-        return True
+        """The client closed its side: the transport closes, and a request in flight is
+        cancelled (`connection_lost`), as aiohttp's server does."""
+        return None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
