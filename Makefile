@@ -69,6 +69,7 @@ chromium:
 test: install lint prometheus kubectl chromium
 	$(PY) -m pytest
 	$(PY) -m pytest tests/hostile --upstream-client aiohttp  # the relay-facing suite on the other client
+	$(PY) -m pytest tests/hostile tests/integration/test_both_planes.py --http-server aiohttp  # and on the other server
 
 bench-scheduler: install
 	$(PY) bench/bench_scheduler.py

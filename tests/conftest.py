@@ -4,8 +4,9 @@ Hypothesis's per-example deadline measures wall time, which on a shared 2-core m
 says more about the neighbours than about the code: properties are checked, speed is not.
 
 `--upstream-client lean|aiohttp` runs the suite with that request-path client as the
-default of `gateway.upstream_client` (configs that name one keep theirs; gateways started
-as subprocesses read their own config files and are not affected).
+default of `gateway.upstream_client`, and `--http-server lean|aiohttp` with that server of
+the inference routes as the default of `gateway.http_server` (configs that name one keep
+theirs; gateways started as subprocesses read their own config files and are not affected).
 """
 
 import pytest
@@ -22,15 +23,26 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="the default gateway.upstream_client for in-process gateways",
     )
+    parser.addoption(
+        "--http-server",
+        choices=("lean", "aiohttp"),
+        default=None,
+        help="the default gateway.http_server for in-process gateways",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    client = config.getoption("--upstream-client")
-    if client is None:
+    defaults = {
+        "upstream_client": config.getoption("--upstream-client"),
+        "http_server": config.getoption("--http-server"),
+    }
+    if all(value is None for value in defaults.values()):
         return
     from servegate.config import GatewaySettings, ServegateConfig
 
-    GatewaySettings.model_fields["upstream_client"].default = client
+    for name, value in defaults.items():
+        if value is not None:
+            GatewaySettings.model_fields[name].default = value
     GatewaySettings.model_rebuild(force=True)
     ServegateConfig.model_fields["gateway"].default = GatewaySettings()
     ServegateConfig.model_rebuild(force=True)
@@ -39,4 +51,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_report_header(config: pytest.Config) -> str:
     from servegate.config import ServegateConfig
 
-    return f"gateway.upstream_client default: {ServegateConfig().gateway.upstream_client}"
+    gateway = ServegateConfig().gateway
+    return (
+        f"gateway.upstream_client default: {gateway.upstream_client}, "
+        f"gateway.http_server default: {gateway.http_server}"
+    )

@@ -111,6 +111,10 @@ class GatewaySettings(_Strict):
     """The request path's HTTP client to replicas: `lean` (pooled HTTP/1.1 on asyncio
     protocols with httptools' parser, `gateway/lean_transport.py`) or aiohttp's. Read when
     the gateway starts; a reload keeps the running one."""
+    http_server: Literal["lean", "aiohttp"] = "lean"
+    """The server of the inference routes: `lean` (an httptools protocol that answers POSTs
+    to the inference routes itself and hands every other request's connection to aiohttp,
+    `gateway/lean_server.py`) or aiohttp's. Read when the gateway starts."""
 
 
 class TenantSettings(_Strict):

@@ -32,6 +32,7 @@ from servegate.gateway.cache_routing import CacheRouting
 from servegate.gateway.clients import transport_for
 from servegate.gateway.connections import (
     CONNECTIONS,
+    FRONT,
     ConnectionCollector,
     ConnectionGuard,
     connection_middleware,
@@ -51,6 +52,7 @@ from servegate.gateway.errors import (
     render,
 )
 from servegate.gateway.inference import serve_inference
+from servegate.gateway.lean_server import LeanServer
 from servegate.gateway.lifecycle import RUNNING, start_gateway
 from servegate.gateway.metrics import GatewayMetrics
 from servegate.gateway.model_routing import RoutingTable
@@ -449,6 +451,15 @@ def create_app(gw: Gateway, source: ConfigSource | None = None) -> web.Applicati
     app[GATEWAY] = gw
     guard = app[CONNECTIONS] = ConnectionGuard(gw.config.gateway)
     gw.metrics.registry.register(ConnectionCollector(guard))
+    if gw.config.gateway.http_server == "lean":
+        lean = LeanServer(gw.director, gw.config.gateway, guard)
+        app[FRONT] = lean.front
+        drain_s = gw.config.gateway.drain_timeout_s
+
+        async def drain_lean(app: web.Application) -> None:
+            await lean.drain(drain_s)
+
+        app.on_shutdown.append(drain_lean)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/embeddings", embeddings)

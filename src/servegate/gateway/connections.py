@@ -265,6 +265,10 @@ class ConnectionCollector(Collector):
 
 
 CONNECTIONS = web.AppKey("connections", ConnectionGuard)
+Factory = Callable[[], asyncio.Protocol]
+FRONT: web.AppKey[Callable[[Factory], Factory]] = web.AppKey("front")
+"""Optional: a protocol factory to put in front of aiohttp's, behind the guard (the lean
+server, `gateway.http_server: lean`)."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -301,8 +305,10 @@ class GuardedSite(web.TCPSite):
 
     async def start(self) -> None:
         await web.BaseSite.start(self)
-        server = self._runner.server
+        server: Factory | None = self._runner.server
         assert server is not None
+        if isinstance(self._runner, web.AppRunner) and FRONT in self._runner.app:
+            server = self._runner.app[FRONT](server)
         host, port, backlog, reuse_address, reuse_port = self._listen
         self._server = await asyncio.get_running_loop().create_server(
             self.guard.factory(server),
