@@ -103,10 +103,6 @@ SPEED_CLIP = 2.0
 """One observation moves an endpoint's log speed by at most this (a stalled request)."""
 RATE_WINDOW_S = 10.0
 """Time constant of the recent-prompt-tokens rate (the TPOT feature)."""
-STALE_ROUNDS = 4
-"""An endpoint passed over for more than this many dispatches per endpoint of the pool,
-with nothing of ours in flight there, is stale: its own fit is blended back towards the
-pool's (`LatencyPredictor.stale_weight`)."""
 RATIO_WINDOW = 50
 """Recent actual / predicted ratios kept per endpoint and target: the measured error an
 irreversible decision (shedding) is weighed against."""
@@ -203,8 +199,6 @@ class EndpointModel:
     recent_at: float = 0.0
     ttft_speed: Speed = field(default_factory=Speed)
     tpot_speed: Speed = field(default_factory=Speed)
-    last_sent: int = 0
-    """The pool's dispatch count when a request was last sent here."""
 
     def backlog(self, now: float) -> int:
         """Uncached prompt tokens dispatched here whose prefill is not done by `now` (no
@@ -369,11 +363,6 @@ class LatencyPredictor:
         if model is None or model.ttft_error.observations == 0:
             ttft *= self.cold_factor(model, now)
         tpot = sum(t * z for t, z in zip(tpot_theta, f.tpot, strict=True))
-        if model is not None and (w := self.stale_weight(model)) < 1.0:
-            pool_ttft = sum(t * x for t, x in zip(self.pool_ttft.theta, f.ttft, strict=True))
-            pool_tpot = sum(t * z for t, z in zip(self.pool_tpot.theta, f.tpot, strict=True))
-            ttft = w * ttft + (1.0 - w) * pool_ttft
-            tpot = w * tpot + (1.0 - w) * pool_tpot
         return Prediction(ttft if ttft > MIN_MS else MIN_MS, tpot if tpot > MIN_MS else MIN_MS, f)
 
     def estimate(
@@ -404,13 +393,6 @@ class LatencyPredictor:
             a = self.pool_ttft.theta
             b = self.pool_tpot.theta
         else:
-            if (
-                not model.pending
-                and self._next_key - model.last_sent > STALE_ROUNDS * len(self.endpoints)
-                and model.ttft_error.observations
-            ):  # stale (`stale_weight`), rare: `predict` does the blending
-                p = self.predict(state, prompt_tokens, prefix_match, lora, now)
-                return (p.ttft_ms, p.tpot_ms)
             a = model.ttft.theta if model.ttft.effective_n > 0.0 else self.pool_ttft.theta
             b = model.tpot.theta if model.tpot.effective_n > 0.0 else self.pool_tpot.theta
             if model.pending:
@@ -432,26 +414,6 @@ class LatencyPredictor:
             ttft *= self.cold_factor(model, now)
         tpot = b[0] + b[1] * decoding + b[2] * prefill + b[3] * rate + b[4] * waiting + b[5] * kv
         return (ttft if ttft > MIN_MS else MIN_MS, tpot if tpot > MIN_MS else MIN_MS)
-
-    def stale_weight(self, model: EndpointModel) -> float:
-        """How much of an endpoint's own fit to trust (1.0: all of it).
-
-        A replica whose first requests were slow (an engine still warming up, a moment of
-        contention) is predicted slow, so it is passed over, so its fit never hears that
-        it is fast now: on real vLLM one policy sent 77 of 79 requests to one of two
-        servers that way. Once a replica with nothing of ours in flight has been passed
-        over for `STALE_ROUNDS` dispatches per endpoint, its prediction moves towards the
-        pool's fit (an endpoint of the pool's speed), exponentially in the dispatches
-        that go on passing it over; the next request sent there is learned, and resets it.
-        A replica that is really slower is then tried about once per few rounds at most,
-        and only when its blended prediction beats the others'."""
-        if model.pending or model.ttft_error.observations == 0:
-            return 1.0
-        bound = STALE_ROUNDS * len(self.endpoints)
-        passed = self._next_key - model.last_sent
-        if passed <= bound:
-            return 1.0
-        return math.exp((bound - passed) / bound)
 
     def cold_factor(self, model: EndpointModel | None, now: float) -> float:
         """While an endpoint has taught no TTFT, its requests still waiting past their
@@ -484,7 +446,6 @@ class LatencyPredictor:
         done_at = now + prediction.ttft_ms / 1000.0
         tokens = prediction.features.uncached_tokens
         model.pending[key] = (now, done_at, tokens, first_token)
-        model.last_sent = key
         model.sent(tokens, now)
         model.dispatched += 1
         return key
