@@ -25,6 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from servegate.testing.vllm_cluster import VllmServer, http_request
 
+QUEUE_S = 0.5
+"""Engine time given to requests that should end up waiting (no LoRA slot for them)."""
+FROZEN_S = 10.0
+"""How long a paused engine's `/metrics` may take to show its frozen state."""
 HOLD_TOKENS = 2000
 """Decode budget of a holding request: the tiny model's 2048-token context, less the prompt."""
 
@@ -53,6 +57,16 @@ class Inflight:
         status = head.split(b"\r\n", 1)[0]
         if b" 200 " not in status + b" ":
             raise AssertionError(f"the server refused a holding request: {head[:500]!r}")
+        self.body = head.split(b"\r\n\r\n", 1)[1]
+
+    def first_token(self, timeout_s: float = 60.0) -> None:
+        """Wait for the stream's first event: the engine has scheduled the request."""
+        self.sock.settimeout(timeout_s)
+        while b"data:" not in self.body:
+            chunk = self.sock.recv(4096)
+            if not chunk:
+                raise AssertionError("the server closed a holding stream before its first token")
+            self.body += chunk
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -141,20 +155,39 @@ def _admit(
     bodies: list[dict[str, Any]],
     want: tuple[float, float],
     timeout_s: float,
+    *,
+    run: bool,
 ) -> None:
-    """With the engine paused: send `bodies`, run until the page shows `want`, pause again."""
+    """With the engine paused: send `bodies`, let the engine run until they are in place,
+    pause again, then wait for the frozen page to show `want`.
+
+    The pause comes from the streams themselves, not from `/metrics`: when the engine
+    decodes fast, the API process is busy relaying tokens and answers `/metrics` seconds
+    late, so a state read there was already gone when the pause landed (a quiet machine
+    failed this three attempts in a row). Requests that should run (`run`) are in place
+    at their first token; requests that should wait get `QUEUE_S` of engine steps. Once
+    paused the page stops moving, so reading it late is harmless."""
+    sent: list[Inflight] = []
     for body in bodies:
         requests.append(Inflight(server.url, "/v1/completions", body))
+        sent.append(requests[-1])
         requests[-1].accepted(timeout_s)
     resume(server)
     try:
-        wait_for(lambda: engine_counts(server) == want, timeout_s, f"{want} on {server.url}")
-    except AssertionError as exc:
-        raise HoldLost(str(exc)) from exc
+        if run:
+            for request in sent:
+                request.first_token(timeout_s)
+        else:
+            time.sleep(QUEUE_S)
+    except (AssertionError, OSError) as exc:
+        raise HoldLost(f"{server.url}: {exc}") from exc
     finally:
         pause(server)
-    if (seen := engine_counts(server)) != want:
-        raise HoldLost(f"{server.url} froze at (running, waiting) {seen}, not {want}")
+    try:
+        wait_for(lambda: engine_counts(server) == want, FROZEN_S, f"{want} on {server.url}")
+    except AssertionError as exc:
+        seen = engine_counts(server)
+        raise HoldLost(f"{server.url} froze at (running, waiting) {seen}, not {want}") from exc
 
 
 @contextlib.contextmanager
@@ -181,11 +214,11 @@ def holding(
             pause(server)
             try:
                 bodies = [long_completion(a, f"hold {a} running") for a in running]
-                _admit(server, requests, bodies, (float(len(running)), 0.0), timeout_s)
+                _admit(server, requests, bodies, (float(len(running)), 0.0), timeout_s, run=True)
                 if waiting:
                     bodies = [long_completion(a, f"hold {a} waiting") for a in waiting]
                     want = (float(len(running)), float(len(waiting)))
-                    _admit(server, requests, bodies, want, timeout_s)
+                    _admit(server, requests, bodies, want, timeout_s, run=False)
             except HoldLost as exc:
                 failures.append(str(exc))
                 continue
