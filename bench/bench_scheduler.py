@@ -228,6 +228,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _side_by_side(label: str, theirs: list[float], ours: list[float], ratio: float) -> str:
+    """One `--against` line: each round's figure for both checkouts, and their ratio."""
+    return (
+        f"{label} against "
+        + " / ".join(f"{x:6.1f}" for x in theirs)
+        + " µs, this "
+        + " / ".join(f"{x:6.1f}" for x in ours)
+        + f" µs   this ÷ against {ratio:.2f}"
+    )
+
+
 def _compare(
     args: argparse.Namespace, sizes: list[int], modes: list[bool], p50: dict[str, list[float]]
 ) -> None:
@@ -254,23 +265,11 @@ def _compare(
                 a, b = statistics.median(theirs), statistics.median(ours)
                 p50.setdefault(f"{row}, {that_label}", []).append(a)
                 p50.setdefault(f"{row}, {this_label}", []).append(b)
-                print(
-                    f"{size:5d} ep  {row:57s} p50 against "
-                    + " / ".join(f"{x:6.1f}" for x in theirs)
-                    + " µs, this "
-                    + " / ".join(f"{x:6.1f}" for x in ours)
-                    + f" µs   this ÷ against {b / a:.2f}"
-                )
+                print(_side_by_side(f"{size:5d} ep  {row:57s} p50", theirs, ours, b / a))
                 # a p50 can sit between two modes (the affinity filter sticky in about half
                 # the decisions and not in the rest): the mean says which way the row moved
                 ma, mb = statistics.median(their_means), statistics.median(our_means)
-                print(
-                    f"{'':9s}{'':57s} mean against "
-                    + " / ".join(f"{x:6.1f}" for x in their_means)
-                    + " µs, this "
-                    + " / ".join(f"{x:6.1f}" for x in our_means)
-                    + f" µs   this ÷ against {mb / ma:.2f}"
-                )
+                print(_side_by_side(f"{'':9s}{'':57s} mean", their_means, our_means, mb / ma))
 
 
 def _plot(path: str, sizes: list[int], p50: dict[str, list[float]], labels: list[str]) -> None:

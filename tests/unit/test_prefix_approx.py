@@ -98,6 +98,35 @@ def test_index_match_lengths_are_leading_runs() -> None:
     }
 
 
+class LruModel:
+    """Each replica's LRU of block keys, modelled one replica at a time: what the index
+    must agree with."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.lrus: dict[str, OrderedDict[int, None]] = {}
+
+    def insert(self, address: str, chain: list[int]) -> None:
+        lru = self.lrus.setdefault(address, OrderedDict())
+        for key in chain:
+            lru.pop(key, None)
+            lru[key] = None
+            while len(lru) > self.capacity:
+                lru.popitem(last=False)
+
+    def held(self, address: str, chain: list[int]) -> int:
+        """The run of leading blocks of `chain` the replica still holds."""
+        return len(list(takewhile(self.lrus.get(address, {}).__contains__, chain)))
+
+
+def random_chains(rng: random.Random, stems: int, longest: int, count: int) -> list[list[int]]:
+    """Chains sharing prefixes (cut from a few stems), each ending in a key of its own."""
+    roots = [[rng.getrandbits(64) for _ in range(rng.randint(1, longest))] for _ in range(stems)]
+    return [
+        [*rng.choice(roots)[: rng.randint(1, longest)], rng.getrandbits(64)] for _ in range(count)
+    ]
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_match_lengths_follow_each_replicas_lru(seed: int) -> None:
     """Random chains sharing prefixes, recorded on random replicas with small LRUs (so
@@ -106,22 +135,16 @@ def test_match_lengths_follow_each_replicas_lru(seed: int) -> None:
     rng = random.Random(seed)
     capacity = rng.randint(8, 40)
     index = ApproxPrefixIndex(capacity)
-    model: dict[str, OrderedDict[int, None]] = {}
-    stems = [[rng.getrandbits(64) for _ in range(rng.randint(1, 20))] for _ in range(4)]
-    chains = [[*rng.choice(stems)[: rng.randint(1, 20)], rng.getrandbits(64)] for _ in range(30)]
+    model = LruModel(capacity)
+    chains = random_chains(rng, stems=4, longest=20, count=30)
     addresses = [f"r{i}" for i in range(12)]
     for _ in range(200):
         address, chain = rng.choice(addresses), rng.choice(chains)
         index.insert(address, chain)
-        lru = model.setdefault(address, OrderedDict())
-        for key in chain:
-            lru.pop(key, None)
-            lru[key] = None
-            while len(lru) > capacity:
-                lru.popitem(last=False)
+        model.insert(address, chain)
     for chain in chains:
         asked = rng.sample(addresses, rng.randint(1, len(addresses)))
-        expected = {a: len(list(takewhile(model.get(a, {}).__contains__, chain))) for a in asked}
+        expected = {a: model.held(a, chain) for a in asked}
         assert index.match_lengths(chain, asked) == expected
 
 
@@ -206,25 +229,17 @@ def test_match_lengths_between_insertions_follow_each_replicas_lru(
     rng = random.Random(seed)
     capacity = rng.randint(6, 16)
     index = ApproxPrefixIndex(capacity)
-    model: dict[str, OrderedDict[int, None]] = {}
-    stems = [[rng.getrandbits(64) for _ in range(rng.randint(1, 8))] for _ in range(3)]
-    chains = [[*rng.choice(stems)[: rng.randint(1, 8)], rng.getrandbits(64)] for _ in range(10)]
+    model = LruModel(capacity)
+    chains = random_chains(rng, stems=3, longest=8, count=10)
     addresses = [f"r{i}" for i in range(3)]
     whole = 0
     for _ in range(300):
         address, chain = rng.choice(addresses), rng.choice(chains)
         index.insert(address, list(chain), chained=chained)  # a copy, as a request's own
-        lru = model.setdefault(address, OrderedDict())
-        for key in chain:
-            lru.pop(key, None)
-            lru[key] = None
-            while len(lru) > capacity:
-                lru.popitem(last=False)
+        model.insert(address, chain)
         for chain_asked in chains:
             for asked in (chain_asked, [*chain_asked, rng.getrandbits(64)]):  # the next turn
-                expected = {
-                    a: len(list(takewhile(model.get(a, {}).__contains__, asked))) for a in addresses
-                }
+                expected = {a: model.held(a, asked) for a in addresses}
                 assert index.match_lengths(list(asked), addresses, chained=chained) == expected
             servers = index._servers
             whole += sum(
