@@ -91,14 +91,19 @@ def _head(status: int, headers: Headers, framing: bytes) -> bytes:
 
 
 class LeanSink:
-    """The `ClientSink` of `LeanProtocol`: the answer written straight to the transport."""
+    """The `ClientSink` of `LeanProtocol`: the answer written straight to the transport.
 
-    __slots__ = ("_chunked", "_conn", "_started")
+    A started answer's head waits for the first body bytes written in the same loop turn,
+    so that a stream whose first event is already here costs one `writev`, not two; a
+    callback sends the head alone if nothing follows in that turn."""
+
+    __slots__ = ("_chunked", "_conn", "_head", "_started")
 
     def __init__(self, conn: LeanProtocol) -> None:
         self._conn = conn
         self._started = False
         self._chunked = False
+        self._head = b""
 
     @property
     def started(self) -> bool:
@@ -123,31 +128,45 @@ class LeanSink:
             framing = b"Transfer-Encoding: chunked\r\n%s\r\n" % conn.connection_line()
         else:
             framing = b"Content-Length: %d\r\n%s\r\n" % (content_length, conn.connection_line())
-        conn.send(_head(status, headers, framing), b"")
-        await conn.drain()
+        if conn.transport is None or conn.transport.is_closing():
+            raise ConnectionResetError("the client left")
+        self._head = _head(status, headers, framing)
+        asyncio.get_running_loop().call_soon(self._send_head)
+
+    def _send_head(self) -> None:
+        """Nothing followed the head in its loop turn: it goes alone (a client waiting
+        for a slow first event sees the status at once, as before)."""
+        head, self._head = self._head, b""
+        if head:
+            conn = self._conn
+            if conn.transport is not None and not conn.transport.is_closing():
+                conn.send(head)
 
     async def write(self, data: bytes) -> None:
         if not data:
             return
         conn = self._conn
+        head, self._head = self._head, b""
         if self._chunked:
-            conn.send(b"%x\r\n" % len(data), data, b"\r\n")
+            conn.send(head, b"%x\r\n" % len(data), data, b"\r\n")
         else:
-            conn.send(data)
+            conn.send(head, data)
         await conn.drain()
 
     async def end(self, last: bytes) -> None:
         conn = self._conn
+        head, self._head = self._head, b""
         if self._chunked:
             if last:
-                conn.send(b"%x\r\n" % len(last), last, b"\r\n0\r\n\r\n")
+                conn.send(head, b"%x\r\n" % len(last), last, b"\r\n0\r\n\r\n")
             else:
-                conn.send(b"0\r\n\r\n")
-        elif last:
-            conn.send(last)
+                conn.send(head, b"0\r\n\r\n")
+        elif last or head:
+            conn.send(head, last)
         await conn.drain()
 
     def abort(self) -> None:
+        self._head = b""
         self._conn.abort()
 
 

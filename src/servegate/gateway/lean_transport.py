@@ -189,15 +189,8 @@ class LeanResponse:
 
     async def readany(self) -> bytes:
         while True:
-            chunks = self._chunks
-            if chunks:
-                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                chunks.clear()
-                self._buffered = 0
-                conn = self._conn
-                if conn is not None and conn.paused:
-                    conn.resume()
-                return data
+            if self._chunks:
+                return self.read_nowait()
             if self._error is not None:
                 raise self._error
             if self._complete:
@@ -207,6 +200,18 @@ class LeanResponse:
                 await waiter
             finally:
                 self._waiter = None
+
+    def read_nowait(self) -> bytes:
+        chunks = self._chunks
+        if not chunks:
+            return b""
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
+        conn = self._conn
+        if conn is not None and conn.paused:
+            conn.resume()
+        return data
 
     def iter_any(self) -> LeanResponse:
         return self

@@ -558,9 +558,12 @@ class Proxy:
         vLLM sends a stream's headers at once, so a replica that dies while prefilling fails
         here, where the request can still move to a fallback without the client seeing a
         byte twice. EOF with nothing, a cut connection or `first_byte_timeout_s` raise."""
-        buffer = bytearray()
         content = upstream.content
         try:
+            ready = content.read_nowait()
+            if DATA_MARK in ready:
+                return ready  # the first event came with the head: no wait, no timer
+            buffer = bytearray(ready)
             async with asyncio.timeout(self._settings.first_byte_timeout_s):
                 while DATA_MARK not in buffer and len(buffer) < FIRST_CONTENT_LIMIT:
                     chunk = await content.readany()

@@ -68,6 +68,17 @@ class InMemoryBody:
         self._next += 1
         return chunk
 
+    def read_nowait(self) -> bytes:
+        """The next chunk when it is due at once (no delay, no cut), else b""."""
+        reply = self._reply
+        if reply.chunk_delay_s or self._next >= len(reply.chunks):
+            return b""
+        if reply.cut_after is not None and self._next >= reply.cut_after:
+            return b""
+        chunk = reply.chunks[self._next]
+        self._next += 1
+        return chunk
+
     async def iter_any(self) -> AsyncIterator[bytes]:
         while True:
             chunk = await self.readany()
