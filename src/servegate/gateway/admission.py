@@ -34,7 +34,8 @@ from servegate.control.errors import (
     ShuttingDown,
     TtlExpired,
 )
-from servegate.gateway.metrics import BoundedLabel
+from servegate.gateway.histogram import Buckets
+from servegate.gateway.metrics import BoundedLabel, Family
 from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
 from servegate.scheduling.admitters import Admitter
@@ -130,19 +131,23 @@ class GatewayAdmission:
         self.admitters = tuple(admitters)
         """llm-d admitter plugins (`probabilistic-admitter`), asked before flow control."""
         self._rng = rng or random.Random()
-        self.queue_duration = Histogram(
+        # Observed once per request each: the lock-free `Family`, not prometheus_client's
+        # locked children.
+        self.queue_duration = Family(
             "llm_d_epp_flow_control_request_queue_duration_seconds",
             "Time requests spend in flow control, from arrival to their outcome.",
+            "histogram",
             ["fairness_id", "priority", "outcome", "model_name", "target_model_name"],
-            buckets=QUEUE_BUCKETS,
-            registry=registry,
+            QUEUE_BUCKETS,
+            registry,
         )
-        self.enqueue_duration = Histogram(
+        self.enqueue_duration = Family(
             "llm_d_epp_flow_control_request_enqueue_duration_seconds",
             "Time to enqueue a request into flow control (or to dispatch it at once).",
+            "histogram",
             ["fairness_id", "priority", "outcome"],
-            buckets=FAST_BUCKETS,
-            registry=registry,
+            FAST_BUCKETS,
+            registry,
         )
         self.dispatch_cycle = Histogram(
             "llm_d_epp_flow_control_dispatch_cycle_duration_seconds",
@@ -153,8 +158,8 @@ class GatewayAdmission:
         self.bound_fairness = BoundedLabel()
         self.held: dict[tuple[str, int, str, str], list[int]] = {}
         """(fairness id, priority, model, target) → [requests, bytes] inside flow control."""
-        self._children: dict[tuple[str, int, Outcome, str, str], Histogram] = {}
-        self._enqueue_children: dict[tuple[int, str, str], Histogram] = {}
+        self._children: dict[tuple[str, int, Outcome, str, str], Buckets] = {}
+        self._enqueue_children: dict[tuple[int, str, str], Buckets] = {}
         controller.on_enqueue = self._observe_enqueue
         controller.on_dispatch = self.dispatch_cycle.observe
         if registry is not None:
@@ -164,7 +169,7 @@ class GatewayAdmission:
         key = (flow, request.priority, outcome, request.model, request.target_model)
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = self.queue_duration.labels(
+            child = self._children[key] = self.queue_duration.histogram(
                 flow, str(request.priority), outcome.value, request.model, request.target_model
             )
         child.observe(seconds)
@@ -174,7 +179,7 @@ class GatewayAdmission:
         key = (priority, label, outcome)
         child = self._enqueue_children.get(key)
         if child is None:
-            child = self.enqueue_duration.labels(label, str(priority), outcome)
+            child = self.enqueue_duration.histogram(label, str(priority), outcome)
             self._enqueue_children[key] = child
         child.observe(seconds)
 

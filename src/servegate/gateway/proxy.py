@@ -362,7 +362,7 @@ class Proxy:
         record = ctx.record
         started = ctx.started
         extra_response_headers = ctx.response_headers
-        last_error: GatewayError = UpstreamFailed("no endpoint could be tried")
+        last_error: GatewayError | None = None
         attempts = decision.targets[: self._settings.max_retries + 1]
         translated: TritonRequest | None = None
         if self.budget is not None:
@@ -443,7 +443,7 @@ class Proxy:
                     upstream.release()
                 else:
                     upstream.close()
-        raise last_error
+        raise last_error or UpstreamFailed("no endpoint could be tried")
 
     async def _relay(
         self,
