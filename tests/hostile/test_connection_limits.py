@@ -67,6 +67,33 @@ async def test_a_trickled_request_head_is_cut_off(replica: Replica) -> None:
             writer.close()
 
 
+async def test_a_later_head_on_a_kept_connection_gets_its_own_full_time(
+    replica: Replica,
+) -> None:
+    """The header deadline is one timer per connection, re-armed for a head that began
+    after it was set: the second head is cut off at its own deadline, not the first's."""
+    timeout_s = 0.4
+    cfg = gateway_config([replica.url], header_timeout_s=timeout_s, idle_timeout_s=60)
+    async with GatewayRunner(cfg) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        try:
+            writer.write(
+                b'POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n\r\n{}'
+            )
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND_S)
+            assert head.startswith(b"HTTP/1.1 400")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            await asyncio.wait_for(reader.readexactly(length), BOUND_S)
+            await asyncio.sleep(timeout_s / 2)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: gw\r\n")  # a head left unfinished
+            begun = asyncio.get_running_loop().time()
+            assert await closed_by_peer(reader) == b""
+            assert asyncio.get_running_loop().time() - begun >= timeout_s * 0.9
+            assert gw.app[CONNECTIONS].header_timeouts == 1
+        finally:
+            writer.close()
+
+
 async def test_a_trickled_body_gets_408(replica: Replica) -> None:
     async with GatewayRunner(gateway_config([replica.url], body_timeout_s=0.2)) as gw:
         await ready(gw, 1)

@@ -111,9 +111,10 @@ class _Guarded(asyncio.Protocol):
         if self.state == _IDLE:
             self.state = _HEAD
             self.since = time.monotonic()
-            self.timer = asyncio.get_running_loop().call_later(
-                self.guard.header_timeout_s, self._head_timeout
-            )
+            if self.timer is None:  # else the one armed earlier re-arms for this head
+                self.timer = asyncio.get_running_loop().call_later(
+                    self.guard.header_timeout_s, self._head_timeout
+                )
         inner.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -139,13 +140,19 @@ class _Guarded(asyncio.Protocol):
             self.timer = None
 
     def _head_timeout(self) -> None:
+        """One timer per connection, not one per request: a head that began after the
+        timer was armed gets the rest of its own time; none in progress, no timer."""
         self.timer = None
-        if self.state == _HEAD and self.transport is not None:
-            self.guard.header_timeouts += 1
-            self.transport.close()
+        if self.state != _HEAD or self.transport is None:
+            return
+        left = self.since + self.guard.header_timeout_s - time.monotonic()
+        if left > 0:
+            self.timer = asyncio.get_running_loop().call_later(left, self._head_timeout)
+            return
+        self.guard.header_timeouts += 1
+        self.transport.close()
 
     def enter(self) -> None:
-        self._cancel_timer()
         self.state = _BUSY
 
     def leave(self) -> None:
