@@ -78,7 +78,7 @@ async def test_a_later_head_on_a_kept_connection_gets_its_own_full_time(
         reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
         try:
             writer.write(
-                b'POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n\r\n{}'
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n\r\n{}"
             )
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND_S)
             assert head.startswith(b"HTTP/1.1 400")
