@@ -183,12 +183,18 @@ def _int(value: Any) -> int | None:
 
 
 def usage_from_sse_tail(tail: bytes) -> Usage | None:
-    for line in reversed(tail.split(b"\n")):
-        if line.startswith(b"data: {") and USAGE_MARK in line:
+    """The usage of the last `data: {…}` line that names one (found from the end, without
+    splitting the whole tail into lines)."""
+    mark = tail.rfind(USAGE_MARK)
+    while mark != -1:
+        start = tail.rfind(b"\n", 0, mark) + 1
+        if tail.startswith(b"data: {", start):
+            end = tail.find(b"\n", mark)
             try:
-                return usage_from(orjson.loads(line[6:]))
+                return usage_from(orjson.loads(tail[start + 6 : end if end != -1 else len(tail)]))
             except orjson.JSONDecodeError:
                 return None
+        mark = tail.rfind(USAGE_MARK, 0, start)
     return None
 
 
