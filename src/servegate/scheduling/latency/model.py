@@ -28,6 +28,8 @@ from servegate.scheduling.latency.unrolled import accumulate, ridge_solver, tria
 
 HUBER_AFTER = 20.0
 """Observations (forgotten) before down-weighting misses: a cold fit must learn from them."""
+WARM_AFTER = HUBER_AFTER
+"""Observations (forgotten) before θ may be solved less often than every observation."""
 
 
 def solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -66,14 +68,17 @@ class OnlineRegression:
 
     θ is solved lazily: `observe` only updates the statistics, and θ is solved when
     read after a change (`theta`), with the prior as it was at the last observation,
-    which gives the θ an eager solve after every observation would have given. The
-    symmetric statistics are kept as their upper triangle (`unrolled`).
+    which gives the θ an eager solve after every observation would have given. With
+    `refit_every` k > 1, a warm fit (`effective_n` ≥ `WARM_AFTER`) is solved only once
+    k observations have come since its last solve: reads in between get the last θ
+    (count-based, so deterministic). The symmetric statistics are kept as their upper
+    triangle (`unrolled`).
     """
 
     __slots__ = (
         "_accumulate", "_solve_prior", "_solver", "_stale", "_theta", "_wsum", "_xtx",
         "_xty", "effective_n", "forgetting", "prior", "prior_scale", "prior_weight",
-        "typical",
+        "refit_every", "typical",
     )  # fmt: skip
 
     def __init__(
@@ -83,6 +88,7 @@ class OnlineRegression:
         prior_weight: float = 1.0,
         forgetting: float = 0.99,
         typical: float = 1.0,
+        refit_every: int = 1,
     ) -> None:
         if len(prior) != len(prior_scale):
             raise ValueError("prior and prior_scale must have the same length")
@@ -90,6 +96,8 @@ class OnlineRegression:
             raise ValueError("forgetting must be in (0, 1]")
         if prior_weight <= 0.0 or typical <= 0.0:
             raise ValueError("prior_weight and typical must be > 0")
+        if refit_every < 1:
+            raise ValueError("refit_every must be >= 1")
         d = len(prior)
         self.prior = list(prior)
         """The coefficients θ is pulled towards; read at each `observe` (and `refit`)."""
@@ -98,9 +106,12 @@ class OnlineRegression:
         self.typical = typical
         """The latency the prior's weight is measured at before any observation."""
         self.forgetting = forgetting
+        self.refit_every = refit_every
+        """Once warm, θ is solved at most once per this many observations."""
         self._wsum = 0.0
         self._theta = list(prior)
-        self._stale = False
+        self._stale = 0
+        """Observations since θ was last solved."""
         self._solve_prior = self.prior
         self.effective_n = 0.0
         """Sum of the forgotten observation counts: how much data the fit rests on."""
@@ -111,8 +122,10 @@ class OnlineRegression:
 
     @property
     def theta(self) -> list[float]:
-        """The fitted coefficients (solved here when observations came since the last read)."""
-        if self._stale:
+        """The fitted coefficients (solved here when observations came since the last
+        solve: one is enough before `WARM_AFTER`, `refit_every` after)."""
+        stale = self._stale
+        if stale and (stale >= self.refit_every or self.effective_n < WARM_AFTER):
             self._refit()
         return self._theta
 
@@ -120,7 +133,7 @@ class OnlineRegression:
     def theta(self, theta: list[float]) -> None:
         """Replace the fit (until the next observation)."""
         self._theta = theta
-        self._stale = False
+        self._stale = 0
 
     def predict(self, x: Sequence[float]) -> float:
         theta = self.theta
@@ -130,26 +143,33 @@ class OnlineRegression:
         return total
 
     def observe(
-        self, x: Sequence[float], y: float, floor: float = 1e-9, huber: float = 0.5
+        self,
+        x: Sequence[float],
+        y: float,
+        floor: float = 1e-9,
+        huber: float = 0.5,
+        predicted: float | None = None,
     ) -> None:
         """Learn from one observation `y` at features `x` (θ is solved when next read).
 
         An observation the current fit misses by more than `huber` (relative) counts
         less, in proportion (a Huber loss on the relative error), so one stalled
-        request does not drag the fit.
+        request does not drag the fit. `predicted`: `predict(x)`, when the caller has it.
         """
         lam = self.forgetting
         y_floor = max(y, floor)
         w = 1.0 / y_floor**2
         if self.effective_n >= HUBER_AFTER:
-            miss = abs(y - self.predict(x)) / y_floor
+            if predicted is None:
+                predicted = self.predict(x)
+            miss = abs(y - predicted) / y_floor
             if miss > huber:
                 w *= huber / miss
         self._xtx, self._xty = self._accumulate(self._xtx, self._xty, x, w, y, lam)
         self.effective_n = lam * self.effective_n + 1.0
         self._wsum = lam * self._wsum + w
         self._solve_prior = self.prior
-        self._stale = True
+        self._stale += 1
 
     def refit(self, prior: Sequence[float] | None = None) -> None:
         """Solve θ now, optionally towards a new `prior` (kept for later solves)."""
@@ -159,7 +179,7 @@ class OnlineRegression:
         self._refit()
 
     def _refit(self) -> None:
-        self._stale = False
+        self._stale = 0
         n = self.effective_n
         mean_w = self._wsum / n if n > 0.0 else 1.0 / self.typical**2
         k = self.prior_weight * mean_w
