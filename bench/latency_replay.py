@@ -258,9 +258,6 @@ def main() -> None:
         "--learn-at-end", action="store_true", help="learn TTFTs at the stream's end (as before)"
     )
     p.add_argument("--digits", type=int, default=1, help="decimals of the MAPE percentages")
-    p.add_argument(
-        "--refit-every", type=int, help="LatencyPredictor(refit_every=…) (default: its own)"
-    )
     p.add_argument("--dump", help="write every prediction (TTFT, TPOT) here, one JSON line each")
     p.add_argument(
         "--against",
@@ -275,12 +272,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for path in args.trace:
         for run, (pid, rows) in enumerate(load(path).items()):
-            predictor = (
-                LatencyPredictor()
-                if args.refit_every is None
-                else LatencyPredictor(refit_every=args.refit_every)
-            )
-            result = replay(rows, predictor, not args.learn_at_end)
+            result = replay(rows, LatencyPredictor(), not args.learn_at_end)
             ttft, later, tpot, n = result.summary()
             recorded = [
                 abs(r["pred_ttft_ms"] - r["ttft_ms"]) / r["ttft_ms"]

@@ -28,8 +28,6 @@ from servegate.scheduling.latency.unrolled import accumulate, ridge_solver, tria
 
 HUBER_AFTER = 20.0
 """Observations (forgotten) before down-weighting misses: a cold fit must learn from them."""
-WARM_AFTER = HUBER_AFTER
-"""Observations (forgotten) before θ may be solved less often than every observation."""
 
 
 def solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -68,17 +66,14 @@ class OnlineRegression:
 
     θ is solved lazily: `observe` only updates the statistics, and θ is solved when
     read after a change (`theta`), with the prior as it was at the last observation,
-    which gives the θ an eager solve after every observation would have given. With
-    `refit_every` k > 1, a warm fit (`effective_n` ≥ `WARM_AFTER`) is solved only once
-    k observations have come since its last solve: reads in between get the last θ
-    (count-based, so deterministic). The symmetric statistics are kept as their upper
-    triangle (`unrolled`).
+    which gives the θ an eager solve after every observation would have given. The
+    symmetric statistics are kept as their upper triangle (`unrolled`).
     """
 
     __slots__ = (
         "_accumulate", "_solve_prior", "_solver", "_stale", "_theta", "_wsum", "_xtx",
         "_xty", "effective_n", "forgetting", "prior", "prior_scale", "prior_weight",
-        "refit_every", "typical",
+        "typical",
     )  # fmt: skip
 
     def __init__(
@@ -88,7 +83,6 @@ class OnlineRegression:
         prior_weight: float = 1.0,
         forgetting: float = 0.99,
         typical: float = 1.0,
-        refit_every: int = 1,
     ) -> None:
         if len(prior) != len(prior_scale):
             raise ValueError("prior and prior_scale must have the same length")
@@ -96,8 +90,6 @@ class OnlineRegression:
             raise ValueError("forgetting must be in (0, 1]")
         if prior_weight <= 0.0 or typical <= 0.0:
             raise ValueError("prior_weight and typical must be > 0")
-        if refit_every < 1:
-            raise ValueError("refit_every must be >= 1")
         d = len(prior)
         self.prior = list(prior)
         """The coefficients θ is pulled towards; read at each `observe` (and `refit`)."""
@@ -106,12 +98,10 @@ class OnlineRegression:
         self.typical = typical
         """The latency the prior's weight is measured at before any observation."""
         self.forgetting = forgetting
-        self.refit_every = refit_every
-        """Once warm, θ is solved at most once per this many observations."""
         self._wsum = 0.0
         self._theta = list(prior)
-        self._stale = 0
-        """Observations since θ was last solved."""
+        self._stale = False
+        """Whether observations came since θ was last solved."""
         self._solve_prior = self.prior
         self.effective_n = 0.0
         """Sum of the forgotten observation counts: how much data the fit rests on."""
@@ -122,10 +112,8 @@ class OnlineRegression:
 
     @property
     def theta(self) -> list[float]:
-        """The fitted coefficients (solved here when observations came since the last
-        solve: one is enough before `WARM_AFTER`, `refit_every` after)."""
-        stale = self._stale
-        if stale and (stale >= self.refit_every or self.effective_n < WARM_AFTER):
+        """The fitted coefficients (solved here when observations came since the last solve)."""
+        if self._stale:
             self._refit()
         return self._theta
 
@@ -133,7 +121,7 @@ class OnlineRegression:
     def theta(self, theta: list[float]) -> None:
         """Replace the fit (until the next observation)."""
         self._theta = theta
-        self._stale = 0
+        self._stale = False
 
     def predict(self, x: Sequence[float]) -> float:
         theta = self.theta
@@ -169,7 +157,7 @@ class OnlineRegression:
         self.effective_n = lam * self.effective_n + 1.0
         self._wsum = lam * self._wsum + w
         self._solve_prior = self.prior
-        self._stale += 1
+        self._stale = True
 
     def refit(self, prior: Sequence[float] | None = None) -> None:
         """Solve θ now, optionally towards a new `prior` (kept for later solves)."""
@@ -179,7 +167,7 @@ class OnlineRegression:
         self._refit()
 
     def _refit(self) -> None:
-        self._stale = 0
+        self._stale = False
         n = self.effective_n
         mean_w = self._wsum / n if n > 0.0 else 1.0 / self.typical**2
         k = self.prior_weight * mean_w

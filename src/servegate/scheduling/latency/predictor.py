@@ -103,8 +103,6 @@ SPEED_CLIP = 2.0
 """One observation moves an endpoint's log speed by at most this (a stalled request)."""
 RATE_WINDOW_S = 10.0
 """Time constant of the recent-prompt-tokens rate (the TPOT feature)."""
-REFIT_EVERY = 1
-"""Default `OnlineRegression.refit_every`: every observation (see docs/latency-routing.md)."""
 RATIO_WINDOW = 50
 """Recent actual / predicted ratios kept per endpoint and target: the measured error an
 irreversible decision (shedding) is weighed against."""
@@ -354,20 +352,17 @@ class LatencyPredictor:
         forgetting: float = 0.995,
         prior_weight: float = 1.0,
         endpoint_prior_weight: float = 5.0,
-        refit_every: int = REFIT_EVERY,
     ) -> None:
         self.forgetting = forgetting
-        self.refit_every = refit_every
-        """Once warm, each fit is solved at most once per this many observations."""
         self.prior_weight = prior_weight
         """How many observations the fixed prior of the pool-wide models is worth."""
         self.endpoint_prior_weight = endpoint_prior_weight
         """How many observations the pool-wide fit is worth as an endpoint model's prior."""
         self.pool_ttft = OnlineRegression(
-            TTFT_PRIOR, TTFT_SCALE, prior_weight, forgetting, TTFT_TYPICAL_MS, refit_every
+            TTFT_PRIOR, TTFT_SCALE, prior_weight, forgetting, TTFT_TYPICAL_MS
         )
         self.pool_tpot = OnlineRegression(
-            TPOT_PRIOR, TPOT_SCALE, prior_weight, forgetting, TPOT_TYPICAL_MS, refit_every
+            TPOT_PRIOR, TPOT_SCALE, prior_weight, forgetting, TPOT_TYPICAL_MS
         )
         self.endpoints: dict[str, EndpointModel] = {}
         self._next_key = 0
@@ -377,10 +372,10 @@ class LatencyPredictor:
         """The endpoint's models, created from the pool-wide fit on first use."""
         model = self.endpoints.get(address)
         if model is None:
-            weight, lam, k = self.endpoint_prior_weight, self.forgetting, self.refit_every
+            weight, lam = self.endpoint_prior_weight, self.forgetting
             model = EndpointModel(
-                OnlineRegression(self.pool_ttft.theta, TTFT_SCALE, weight, lam, TTFT_TYPICAL_MS, k),
-                OnlineRegression(self.pool_tpot.theta, TPOT_SCALE, weight, lam, TPOT_TYPICAL_MS, k),
+                OnlineRegression(self.pool_ttft.theta, TTFT_SCALE, weight, lam, TTFT_TYPICAL_MS),
+                OnlineRegression(self.pool_tpot.theta, TPOT_SCALE, weight, lam, TPOT_TYPICAL_MS),
             )
             self.endpoints[address] = model
         return model
