@@ -91,6 +91,8 @@ class Ticket:
         self.started = started
         self.dispatched_ms = dispatched_ms
         self.predictions = predictions
+        """The request's memo of every scored candidate's predictions (not copied: `debug`
+        reads it right after dispatch)."""
         self.learned_ttft_ms: float | None = None
         """The TTFT already taught to the predictor (once: never again at `done`)."""
         self._done = False
