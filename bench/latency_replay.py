@@ -158,6 +158,9 @@ class Replayed:
     tpot: list[float] = field(default_factory=list)
     pred_ttft: list[float] = field(default_factory=list)
     ttft_ms: list[float] = field(default_factory=list)
+    all_ttft_ms: list[float] = field(default_factory=list)
+    """Every prediction, learned from or not (to compare two predictors request by request)."""
+    all_tpot_ms: list[float] = field(default_factory=list)
 
     @staticmethod
     def _mean(xs: list[float]) -> float:
@@ -235,6 +238,8 @@ def replay(
         predictor.completed(address, keys[i], p, None if learned[i] else ttft, tpot, r["uncached"])
     for r, p in zip(rows, preds, strict=True):  # in dispatch order, as the bench reports
         assert p is not None
+        out.all_ttft_ms.append(p.ttft_ms)
+        out.all_tpot_ms.append(p.tpot_ms)
         ttft, tpot = r["ttft_ms"], r["tpot_ms"]
         if ttft is not None and ttft >= MIN_LEARNED_MS:
             out.ttft.append(abs(p.ttft_ms - ttft) / ttft)
@@ -252,11 +257,21 @@ def main() -> None:
     p.add_argument(
         "--learn-at-end", action="store_true", help="learn TTFTs at the stream's end (as before)"
     )
+    p.add_argument("--digits", type=int, default=1, help="decimals of the MAPE percentages")
+    p.add_argument("--dump", help="write every prediction (TTFT, TPOT) here, one JSON line each")
+    p.add_argument(
+        "--against",
+        help="a --dump of another predictor (e.g. another checkout's src on PYTHONPATH): "
+        "print the largest relative difference of each trace's predictions from it",
+    )
     args = p.parse_args()
+    dump = open(args.dump, "w") if args.dump else None  # noqa: SIM115 - closed below
+    against = _load_dump(args.against) if args.against else None
+    pct = f".{args.digits}%"
     print("| trace | predictor | TTFT MAPE all (later half) | TPOT MAPE | n | recorded |")
     print("|---|---|---|---|---|---|")
     for path in args.trace:
-        for pid, rows in load(path).items():
+        for run, (pid, rows) in enumerate(load(path).items()):
             result = replay(rows, LatencyPredictor(), not args.learn_at_end)
             ttft, later, tpot, n = result.summary()
             recorded = [
@@ -265,7 +280,33 @@ def main() -> None:
                 if r["ttft_ms"] is not None and r["ttft_ms"] >= MIN_LEARNED_MS
             ]
             rec = sum(recorded) / len(recorded) if recorded else float("nan")
-            print(f"| {path} | {pid} | {ttft:.1%} ({later:.1%}) | {tpot:.1%} | {n} | {rec:.1%} |")
+            print(
+                f"| {path} | {pid} | {ttft:{pct}} ({later:{pct}}) | {tpot:{pct}} | {n} | {rec:{pct}} |"
+            )
+            predicted = list(zip(result.all_ttft_ms, result.all_tpot_ms, strict=True))
+            if dump is not None:
+                for i, (a, b) in enumerate(predicted):
+                    dump.write(
+                        json.dumps({"trace": path, "run": run, "i": i, "ttft": a, "tpot": b})
+                    )
+                    dump.write("\n")
+            if against is not None:
+                other = against.get((path, run))
+                if other is None or len(other) != len(predicted):
+                    print(f"  against: {path} run {run} not in {args.against}")
+                else:
+                    worst = max(
+                        abs(x - y) / max(abs(y), 1e-300)
+                        for mine, theirs in zip(predicted, other, strict=True)
+                        for x, y in zip(mine, theirs, strict=True)
+                    )
+                    same = sum(
+                        mine == theirs for mine, theirs in zip(predicted, other, strict=True)
+                    )
+                    print(
+                        f"  against: largest relative difference {worst:.2e}; "
+                        f"{same} of {len(predicted)} predictions bit-identical"
+                    )
             if args.windows:
                 w = args.windows
                 cells = [
@@ -273,6 +314,17 @@ def main() -> None:
                     for k in range(0, len(result.ttft), w)
                 ]
                 print("  windows:", " ".join(cells))
+    if dump is not None:
+        dump.close()
+
+
+def _load_dump(path: str) -> dict[tuple[str, int], list[tuple[float, float]]]:
+    out: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            out.setdefault((row["trace"], row["run"]), []).append((row["ttft"], row["tpot"]))
+    return out
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from servegate.scheduling.latency.model import OnlineRegression, solve
+from servegate.scheduling.latency.model import HUBER_AFTER, OnlineRegression, solve
+from servegate.scheduling.latency.unrolled import accumulate, ridge_solver, triangle_index
 
 
 def test_solve_matches_a_known_system_and_reports_singular_ones() -> None:
@@ -99,3 +100,95 @@ def test_bad_arguments_are_refused() -> None:
         OnlineRegression([1.0], [1.0], prior_weight=0.0)
     with pytest.raises(ValueError, match="forgetting"):
         OnlineRegression([1.0], [1.0], forgetting=0.0)
+
+
+def _eager_theta(
+    prior: list[float], scale: list[float], weight: float, forgetting: float, typical: float,
+    data: list[tuple[list[float], float]],
+) -> list[list[float]]:  # fmt: skip
+    """θ after each observation, by the former algorithm: full statistics, prior from
+    the solve after each observation, pivoted elimination (the reference)."""
+    d = len(prior)
+    xtx = [[0.0] * d for _ in range(d)]
+    xty = [0.0] * d
+    wsum = n = 0.0
+    theta = list(prior)
+    out = []
+    for x, y in data:
+        w = 1.0 / y**2
+        if n >= HUBER_AFTER:
+            miss = abs(y - sum(t * v for t, v in zip(theta, x, strict=True))) / y
+            w *= 0.5 / miss if miss > 0.5 else 1.0
+        for i in range(d):
+            for j in range(d):
+                xtx[i][j] = forgetting * xtx[i][j] + w * x[i] * x[j]
+            xty[i] = forgetting * xty[i] + w * x[i] * y
+        n = forgetting * n + 1.0
+        wsum = forgetting * wsum + w
+        k = weight * wsum / n
+        a = [
+            [xtx[i][j] + (k * scale[i] ** 2 if i == j else 0.0) for j in range(d)] for i in range(d)
+        ]
+        b = [xty[i] + k * scale[i] ** 2 * prior[i] for i in range(d)]
+        theta = solve(a, b) or theta
+        out.append(theta)
+    return out
+
+
+@pytest.mark.parametrize("d", [1, 6, 9])
+def test_the_lazily_solved_theta_equals_the_eagerly_solved_one(d: int) -> None:
+    rng = random.Random(d)
+    prior = [rng.uniform(0.0, 20.0) for _ in range(d)]
+    scale = [rng.uniform(0.2, 4.0) for _ in range(d)]
+    data = [
+        ([1.0] + [rng.uniform(0.0, 5.0) for _ in range(d - 1)], rng.uniform(5.0, 2000.0))
+        for _ in range(120)
+    ]
+    eager = _eager_theta(prior, scale, 2.0, 0.99, 50.0, data)
+    model = OnlineRegression(prior, scale, 2.0, 0.99, 50.0)
+    for step, (x, y) in enumerate(data):
+        model.observe(x, y)
+        if step % 7 == 0 or step >= 100:  # read after some observations only: lazy solves
+            assert model.theta == pytest.approx(eager[step], rel=1e-9)
+    assert model.effective_n > HUBER_AFTER  # Huber's reads of θ were exercised too
+
+
+def test_the_prior_at_the_last_observation_is_what_theta_is_solved_towards() -> None:
+    model = OnlineRegression([10.0], [1.0], prior_weight=1.0, forgetting=1.0)
+    model.observe([1.0], 30.0)
+    model.prior = [1000.0]  # set for the next observation, as the predictor does
+    assert model.theta == pytest.approx([20.0])  # halfway between 10 and 30, not 1000
+    model.observe([1.0], 30.0)
+    assert model.theta == pytest.approx([(1000.0 + 2 * 30.0) / 3])
+
+
+@pytest.mark.parametrize("d", [1, 2, 6, 9])
+def test_the_unrolled_steps_match_the_loops_they_replace(d: int) -> None:
+    rng = random.Random(10 + d)
+    for _ in range(20):
+        rows = [[rng.uniform(-3.0, 3.0) for _ in range(d)] for _ in range(d + 3)]
+        full = [[sum(r[i] * r[j] for r in rows) for j in range(d)] for i in range(d)]
+        tri = [full[i][j] for i in range(d) for j in range(i, d)]
+        assert tri[triangle_index(d, d - 1, d - 1)] == full[d - 1][d - 1]
+        b = [rng.uniform(-5.0, 5.0) for _ in range(d)]
+        scale = [rng.uniform(0.1, 2.0) for _ in range(d)]
+        prior = [rng.uniform(-1.0, 1.0) for _ in range(d)]
+        k = rng.uniform(1e-3, 1.0)
+        a = [[full[i][j] + (k * scale[i] if i == j else 0.0) for j in range(d)] for i in range(d)]
+        reference = solve(a, [b[i] + k * scale[i] * prior[i] for i in range(d)])
+        assert reference is not None
+        assert ridge_solver(d)(tri, b, k, scale, prior) == pytest.approx(reference, rel=1e-9)
+        x, w, y, lam = rows[0], rng.uniform(0.1, 2.0), rng.uniform(1.0, 9.0), 0.9
+        new_a, new_b = accumulate(d)(tri, b, x, w, y, lam)
+        assert new_a == [lam * full[i][j] + w * x[i] * x[j] for i in range(d) for j in range(i, d)]
+        assert new_b == [lam * b[i] + w * x[i] * y for i in range(d)]
+
+
+def test_a_system_that_is_not_positive_definite_falls_back_to_elimination() -> None:
+    indefinite = [1.0, 2.0, 1.0]  # [[1, 2], [2, 1]]: what rounding could leave, in extremis
+    assert ridge_solver(2)(indefinite, [3.0, 3.0], 0.0, [1.0, 1.0], [0.0, 0.0]) is None
+    model = OnlineRegression([0.0, 0.0], [1.0, 1.0], 1e-300, forgetting=1.0)
+    model.observe([1.0, 1.0], 1.0)
+    model._xtx, model._xty = indefinite, [3.0, 3.0]
+    model.refit()
+    assert model.theta == pytest.approx([1.0, 1.0])

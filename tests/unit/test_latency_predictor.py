@@ -299,3 +299,33 @@ def test_an_overdue_first_token_raises_predictions_only_where_nothing_was_learne
     assert c.ttft_ms == pytest.approx(3.0 * predictor.pool_ttft.predict(c.features.ttft))
     a = predictor.predict(state("a:1", in_flight=1), 500, 0.0, None, now=later)
     assert a.ttft_ms == pytest.approx(predictor.endpoints["a:1"].ttft.predict(a.features.ttft))
+
+
+class _First:
+    def __init__(self, ttft_ms: float | None) -> None:
+        self.ttft_ms = ttft_ms
+
+
+def test_the_one_pass_scan_equals_the_backlog_and_overdue_passes() -> None:
+    predictor = LatencyPredictor()
+    model = predictor.model("a:1")
+    rng = random.Random(5)
+    for key in range(40):  # every kind of pending request: waiting, first token seen, none
+        sent = rng.uniform(0.0, 10.0)
+        done = sent + rng.choice([0.0, rng.uniform(0.01, 3.0)])
+        first = rng.choice([None, _First(None), _First(12.0)])
+        model.pending[key] = (sent, done, rng.randrange(1, 4000), first)
+    for now in (0.0, 2.5, 5.0, 9.9, 14.0):
+        assert model.scan(now) == (*model.load(now), model.overdue(now))
+
+
+def test_a_prediction_builds_its_feature_vectors_from_what_it_read() -> None:
+    predictor = LatencyPredictor()
+    s = state("a:1", in_flight=3, waiting=2, kv=0.4)
+    p = predictor.predict(s, 2000, 0.75, "ad", now=0.0)
+    assert p.uncached_tokens == p.features.uncached_tokens == 500
+    assert p.features.ttft == (1.0, 0.5, 0.0, 3.0, 1.5, 0.0, 2, 0.4, 1.0)
+    assert p.features.tpot == (1.0, 3.0, 0.5, 0.0, 2, 0.4)
+    # the sums run term by term in the vectors' order: the pool's fit over them, exactly
+    ttft = sum(t * x for t, x in zip(predictor.pool_ttft.theta, p.features.ttft, strict=True))
+    assert p.ttft_ms == ttft * predictor.cold_factor(None, 0.0)

@@ -25,6 +25,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import orjson
@@ -51,6 +52,7 @@ from servegate.scheduling.request import LLMRequest
 QUEUE_POLL_S = 0.02
 """How often a request held by the admitter looks again."""
 DEBUG_HEADER = "x-servegate-latency"
+_NO_PREDICTIONS: Mapping[str, tuple[float, float]] = MappingProxyType({})
 
 
 class SloUnattainable(Dropped):
@@ -89,6 +91,8 @@ class Ticket:
         self.started = started
         self.dispatched_ms = dispatched_ms
         self.predictions = predictions
+        """The request's memo of every scored candidate's predictions (not copied: `debug`
+        reads it right after dispatch)."""
         self.learned_ttft_ms: float | None = None
         """The TTFT already taught to the predictor (once: never again at `done`)."""
         self._done = False
@@ -233,10 +237,11 @@ class LatencyRouting:
     def learn_first_tokens(self) -> None:
         """Teach the predictor every TTFT relayed since the last call (before a decision)."""
         awaiting = self.awaiting_first_token
-        if awaiting:
-            settled = [key for key, ticket in awaiting.items() if ticket.first_token()]
-            for key in settled:
-                del awaiting[key]
+        if awaiting:  # only those with a first byte can settle (`Ticket.first_token`)
+            arrived = [t for t in awaiting.values() if t.record.ttft_ms is not None]
+            for ticket in arrived:
+                if ticket.first_token():
+                    del awaiting[ticket.key]
 
     def dispatch(
         self,
@@ -260,7 +265,7 @@ class LatencyRouting:
         key = self.predictor.dispatched(state.endpoint.address, prediction, cycle.now, record)
         ticket = Ticket(
             self, state.endpoint.address, key, prediction, slo, started, dispatched_ms,
-            dict(memo) if isinstance(memo, dict) else {}, record,
+            memo if isinstance(memo, dict) else _NO_PREDICTIONS, record,
         )  # fmt: skip
         self.awaiting_first_token[key] = ticket
         return ticket

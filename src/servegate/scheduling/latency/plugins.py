@@ -116,7 +116,13 @@ class PredictionSource:
         self, cycle: CycleState, request: LLMRequest, state: EndpointState
     ) -> Prediction:
         """The chosen endpoint's prediction with its features (for dispatch and learning)."""
-        match = self.matches(cycle, request, [state])[0]
+        match = 0.0
+        if self.prefix:
+            one = [state]
+            for scorer in self.prefix:
+                x = scorer.score(cycle, request, one)[0]
+                if x > match:
+                    match = x
         return self.predictor.predict(state, request.prompt_tokens, match, request.lora, cycle.now)
 
     def headrooms(

@@ -225,6 +225,29 @@ class EndpointModel:
                 total += tokens * (left if left > REMAINING_FLOOR else REMAINING_FLOOR)
         return int(total), count
 
+    def scan(self, now: float) -> tuple[int, int, float]:
+        """`load(now)` and `overdue(now)` in one pass over the pending requests."""
+        total = 0.0
+        count = 0
+        worst = 1.0
+        for sent_at, done_at, tokens, first in self.pending.values():
+            if first is not None:
+                if first.ttft_ms is not None:
+                    continue
+                if done_at > sent_at:
+                    ratio = (now - sent_at) / (done_at - sent_at)
+                    if ratio > worst:
+                        worst = ratio
+            elif done_at <= now:
+                continue
+            count += 1
+            if now <= sent_at or done_at <= sent_at:
+                total += tokens
+            else:
+                left = (done_at - now) / (done_at - sent_at)
+                total += tokens * (left if left > REMAINING_FLOOR else REMAINING_FLOOR)
+        return int(total), count, worst
+
     def overdue(self, now: float) -> float:
         """How far past its predicted first token the most overdue request still waiting
         for one is, as a multiple of that prediction (1.0 when none is): its TTFT is at
@@ -254,20 +277,71 @@ class EndpointModel:
             self.recent_at = now
 
 
-@dataclass(slots=True)
 class Features:
-    ttft: tuple[float, ...]
-    tpot: tuple[float, ...]
-    uncached_tokens: int
+    """What a prediction was made from; the feature vectors are built from it when read
+    (by learning, once per stream), not for every request dispatched."""
+
+    __slots__ = ("backlog", "decoding", "kv_usage", "lora_miss", "prefill", "prefilling",
+                 "rate", "uncached_tokens", "waiting")  # fmt: skip
+
+    def __init__(
+        self,
+        uncached_tokens: int,
+        prefill: float,
+        backlog: float,
+        decoding: float,
+        prefilling: float,
+        waiting: float,
+        kv_usage: float,
+        lora_miss: float,
+        rate: float,
+    ) -> None:
+        self.uncached_tokens = uncached_tokens
+        self.prefill = prefill
+        """This request's uncached prompt plus the backlog (thousands of tokens)."""
+        self.backlog = backlog
+        self.decoding = decoding
+        self.prefilling = prefilling
+        self.waiting = waiting
+        self.kv_usage = kv_usage
+        self.lora_miss = lora_miss
+        self.rate = rate
+
+    @property
+    def ttft(self) -> tuple[float, ...]:
+        """The TTFT feature vector (`TTFT_FEATURES`)."""
+        decoding, prefill = self.decoding, self.prefill
+        return (1.0, prefill, self.backlog, decoding, decoding * prefill, self.prefilling,
+                self.waiting, self.kv_usage, self.lora_miss)  # fmt: skip
+
+    @property
+    def tpot(self) -> tuple[float, ...]:
+        """The TPOT feature vector (`TPOT_FEATURES`)."""
+        return (1.0, self.decoding, self.prefill, self.rate, self.waiting, self.kv_usage)
 
 
-@dataclass(slots=True)
 class Prediction:
     """Predicted engine-side latencies for one request on one endpoint, in milliseconds."""
 
-    ttft_ms: float
-    tpot_ms: float
-    features: Features
+    __slots__ = ("_inputs", "tpot_ms", "ttft_ms", "uncached_tokens")
+
+    def __init__(
+        self,
+        ttft_ms: float,
+        tpot_ms: float,
+        uncached_tokens: int,
+        inputs: tuple[float, float, float, float, float, float, float, float],
+    ) -> None:
+        self.ttft_ms = ttft_ms
+        self.tpot_ms = tpot_ms
+        self.uncached_tokens = uncached_tokens
+        self._inputs = inputs
+        """`Features`' arguments after `uncached_tokens`, in order."""
+
+    @property
+    def features(self) -> Features:
+        """What the prediction was made from (built when read: by learning, not by dispatch)."""
+        return Features(self.uncached_tokens, *self._inputs)
 
 
 class LatencyPredictor:
@@ -315,30 +389,7 @@ class LatencyPredictor:
         now: float,
     ) -> Features:
         """The feature vectors of a request of `prompt_tokens` on `state` at `now`."""
-        uncached = int(prompt_tokens * (1.0 - min(1.0, max(0.0, prefix_match))))
-        model = self.endpoints.get(state.endpoint.address)
-        if model is not None and model.pending:
-            tokens, prefilling = model.load(now)
-            rate = model.recent_rate(now)
-        else:
-            tokens = prefilling = 0
-            rate = 0.0 if model is None else model.recent_rate(now)
-        backlog = tokens / 1000.0
-        m = state.metrics
-        in_flight = state.in_flight_requests
-        decoding = float(in_flight - prefilling) if in_flight > prefilling else 0.0
-        u = uncached / 1000.0
-        lora_miss = 0.0
-        if lora is not None:
-            info = m.lora
-            lora_miss = 0.0 if info is not None and lora in info.running else 1.0
-        prefill = u + backlog
-        return Features(
-            (1.0, prefill, backlog, decoding, decoding * prefill, float(prefilling), m.waiting,
-             m.kv_usage, lora_miss),
-            (1.0, decoding, prefill, rate, m.waiting, m.kv_usage),
-            uncached,
-        )  # fmt: skip
+        return self.predict(state, prompt_tokens, prefix_match, lora, now).features
 
     def predict(
         self,
@@ -349,21 +400,56 @@ class LatencyPredictor:
         now: float,
     ) -> Prediction:
         """Predicted TTFT and TPOT (ms) of the request on `state`, with the features they
-        came from (what `dispatched` and `completed` need); `estimate` is the hot path."""
-        f = self.features(state, prompt_tokens, prefix_match, lora, now)
+        came from (what `dispatched` and `completed` need); `estimate` is the hot path.
+
+        One pass over the endpoint's pending requests gives both the backlog and, while
+        it has taught no TTFT, how overdue its first tokens are (`cold_factor`); the sums
+        run in the order of the feature vectors, term by term.
+        """
+        uncached = int(prompt_tokens * (1.0 - min(1.0, max(0.0, prefix_match))))
         model = self.endpoints.get(state.endpoint.address)
-        ttft_theta = self.pool_ttft.theta
-        tpot_theta = self.pool_tpot.theta
+        cold = model is None or model.ttft_error.observations == 0
+        worst = 1.0
+        if model is not None and model.pending:
+            if cold:
+                tokens, prefilling, worst = model.scan(now)
+            else:
+                tokens, prefilling = model.load(now)
+            rate = model.recent_rate(now)
+        else:
+            tokens = prefilling = 0
+            rate = 0.0 if model is None else model.recent_rate(now)
+        backlog = tokens / 1000.0
+        m = state.metrics
+        in_flight = state.in_flight_requests
+        decoding = float(in_flight - prefilling) if in_flight > prefilling else 0.0
+        lora_miss = 0.0
+        if lora is not None:
+            info = m.lora
+            lora_miss = 0.0 if info is not None and lora in info.running else 1.0
+        prefill = uncached / 1000.0 + backlog
+        waiting = m.waiting
+        kv = m.kv_usage
+        a = self.pool_ttft.theta
+        b = self.pool_tpot.theta
         if model is not None:  # an endpoint without observations of its own: the pool's fit
             if model.ttft.effective_n > 0.0:
-                ttft_theta = model.ttft.theta
+                a = model.ttft.theta
             if model.tpot.effective_n > 0.0:
-                tpot_theta = model.tpot.theta
-        ttft = sum(t * x for t, x in zip(ttft_theta, f.ttft, strict=True))
-        if model is None or model.ttft_error.observations == 0:
-            ttft *= self.cold_factor(model, now)
-        tpot = sum(t * z for t, z in zip(tpot_theta, f.tpot, strict=True))
-        return Prediction(ttft if ttft > MIN_MS else MIN_MS, tpot if tpot > MIN_MS else MIN_MS, f)
+                b = model.tpot.theta
+        ttft = (
+            a[0] + a[1] * prefill + a[2] * backlog + a[3] * decoding + a[4] * (decoding * prefill)
+            + a[5] * prefilling + a[6] * waiting + a[7] * kv + a[8] * lora_miss
+        )  # fmt: skip
+        if cold:
+            ttft *= self._cold_factor(model, worst, now)
+        tpot = b[0] + b[1] * decoding + b[2] * prefill + b[3] * rate + b[4] * waiting + b[5] * kv
+        return Prediction(
+            ttft if ttft > MIN_MS else MIN_MS,
+            tpot if tpot > MIN_MS else MIN_MS,
+            uncached,
+            (prefill, backlog, decoding, float(prefilling), waiting, kv, lora_miss, rate),
+        )
 
     def estimate(
         self,
@@ -420,10 +506,13 @@ class LatencyPredictor:
         predicted first token are the only evidence of its speed: predictions there are
         raised to match the most overdue (and, while the pool has learned nothing at all,
         the most overdue anywhere: the priors are a fast GPU's)."""
-        worst = 1.0 if model is None else model.overdue(now)
+        return self._cold_factor(model, 1.0 if model is None else model.overdue(now), now)
+
+    def _cold_factor(self, model: EndpointModel | None, worst: float, now: float) -> float:
+        """`cold_factor` given `model.overdue(now)` (`worst`)."""
         if self.pool_ttft.effective_n <= 0.0:
             for other in self.endpoints.values():
-                if other.pending:
+                if other.pending and other is not model:
                     worst = max(worst, other.overdue(now))
         return worst
 
@@ -444,7 +533,7 @@ class LatencyPredictor:
         self._next_key += 1
         key = self._next_key
         done_at = now + prediction.ttft_ms / 1000.0
-        tokens = prediction.features.uncached_tokens
+        tokens = prediction.uncached_tokens
         model.pending[key] = (now, done_at, tokens, first_token)
         model.sent(tokens, now)
         model.dispatched += 1
@@ -474,11 +563,14 @@ class LatencyPredictor:
             u = uncached_tokens / 1000.0
             x = (*x[:1], u + x[2], x[2], x[3], x[3] * (u + x[2]), *x[5:])
         speed = model.ttft_speed
-        if self.pool_ttft.effective_n >= SPEED_AFTER:  # after the pool learned something
-            speed.add(ttft_ms, self.pool_ttft.predict(x), self.forgetting)
+        pool = self.pool_ttft
+        predicted = None
+        if pool.effective_n >= SPEED_AFTER:  # after the pool learned something
+            predicted = pool.predict(x)
+            speed.add(ttft_ms, predicted, self.forgetting)
         k = speed.factor
-        self.pool_ttft.observe(x, ttft_ms / k)
-        model.ttft.prior = _scaled(self.pool_ttft.theta, k)
+        pool.observe(x, ttft_ms / k, predicted=predicted)
+        model.ttft.prior = _scaled(pool.theta, k)
         model.ttft.observe(x, ttft_ms)
 
     def completed(
@@ -497,15 +589,18 @@ class LatencyPredictor:
         if ttft_ms is not None and ttft_ms >= MIN_LEARNED_MS:
             self.learn_ttft(address, prediction, ttft_ms, uncached_tokens)
         if tpot_ms is not None and tpot_ms >= MIN_LEARNED_MS:
-            f = prediction.features
+            x = prediction.features.tpot
             model.tpot_error.add(prediction.tpot_ms, tpot_ms)
             speed = model.tpot_speed
-            if self.pool_tpot.effective_n >= SPEED_AFTER:
-                speed.add(tpot_ms, self.pool_tpot.predict(f.tpot), self.forgetting)
+            pool = self.pool_tpot
+            predicted = None
+            if pool.effective_n >= SPEED_AFTER:
+                predicted = pool.predict(x)
+                speed.add(tpot_ms, predicted, self.forgetting)
             k = speed.factor
-            self.pool_tpot.observe(f.tpot, tpot_ms / k)
-            model.tpot.prior = _scaled(self.pool_tpot.theta, k)
-            model.tpot.observe(f.tpot, tpot_ms)
+            pool.observe(x, tpot_ms / k, predicted=predicted)
+            model.tpot.prior = _scaled(pool.theta, k)
+            model.tpot.observe(x, tpot_ms)
 
     def forget(self, addresses: Iterable[str]) -> None:
         """Drop endpoints that left the pool."""
