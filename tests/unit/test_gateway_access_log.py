@@ -1,16 +1,25 @@
 import asyncio
+import dataclasses
 import io
+import subprocess
+import sys
+from pathlib import Path
 
 import orjson
 import pytest
 
-from servegate.gateway.access_log import AccessLog, AccessRecord
+from servegate.gateway.access_log import CLIPPED_FIELDS, LOG_FIELD_CHARS, AccessLog, AccessRecord
 
 
 class CountingStream(io.BytesIO):
     def __init__(self) -> None:
         super().__init__()
         self.flushes = 0
+        self.writes = 0
+
+    def write(self, data: object) -> int:
+        self.writes += 1
+        return super().write(data)  # type: ignore[call-overload]
 
     def flush(self) -> None:
         self.flushes += 1
@@ -30,7 +39,9 @@ class BrokenStream(io.BytesIO):
 
 
 def record(rid: str) -> AccessRecord:
-    return AccessRecord(request_id=rid, method="POST", path="/v1/chat/completions", status=200)
+    return AccessRecord(
+        request_id=rid, method="POST", path="/v1/chat/completions", ts=1.5, status=200
+    )
 
 
 def lines(stream: io.BytesIO) -> list[str]:
@@ -38,18 +49,111 @@ def lines(stream: io.BytesIO) -> list[str]:
 
 
 @pytest.mark.parametrize("count", [1, 3, 50], ids=["one", "three", "fifty"])
-async def test_lines_of_one_loop_turn_share_one_flush_after_the_turn(count: int) -> None:
+async def test_lines_of_many_loop_turns_share_one_write_after_the_interval(count: int) -> None:
     stream = CountingStream()
-    log = AccessLog(stream)
+    log = AccessLog(stream, interval_s=0.02)
     for i in range(count):
         log.write(record(str(i)))
-    assert stream.flushes == 0
-    await asyncio.sleep(0)
-    assert stream.flushes == 1
+        await asyncio.sleep(0)
+    assert (stream.writes, stream.flushes) == (0, 0)
+    await asyncio.sleep(0.05)
+    assert (stream.writes, stream.flushes) == (1, 1)
     assert lines(stream) == [str(i) for i in range(count)]
     log.write(record("next"))
-    await asyncio.sleep(0)
-    assert stream.flushes == 2
+    await asyncio.sleep(0.05)
+    assert (stream.writes, stream.flushes) == (2, 2)
+    assert lines(stream)[-1] == "next"
+
+
+async def test_a_full_buffer_is_written_at_once() -> None:
+    stream = CountingStream()
+    one = len(orjson.dumps(record("0"), option=orjson.OPT_APPEND_NEWLINE))
+    log = AccessLog(stream, interval_s=60.0, max_bytes=3 * one)
+    for i in range(7):
+        log.write(record(str(i)))
+    assert stream.writes == 2
+    assert lines(stream) == [str(i) for i in range(6)]
+    log.flush()
+    assert lines(stream) == [str(i) for i in range(7)]
+
+
+async def test_flush_writes_what_is_buffered_and_disarms_the_timer() -> None:
+    stream = CountingStream()
+    log = AccessLog(stream, interval_s=0.01)
+    log.write(record("a"))
+    log.flush()
+    assert (stream.writes, lines(stream)) == (1, ["a"])
+    await asyncio.sleep(0.03)
+    assert (stream.writes, stream.flushes) == (1, 1)
+
+
+def test_a_timer_left_on_a_closed_loop_does_not_strand_the_next_loops_lines() -> None:
+    stream = CountingStream()
+    log = AccessLog(stream, interval_s=0.01)
+
+    async def write_and_leave(rid: str) -> None:
+        log.write(record(rid))
+
+    async def write_and_wait(rid: str) -> None:
+        log.write(record(rid))
+        await asyncio.sleep(0.03)
+
+    asyncio.run(write_and_leave("first"))  # its loop closes before the timer fires
+    asyncio.run(write_and_wait("second"))
+    assert lines(stream) == ["first", "second"]
+
+
+def test_a_clean_exit_writes_the_buffered_lines(tmp_path: Path) -> None:
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import asyncio, sys\n"
+        "from servegate.gateway.access_log import CLIPPED_FIELDS, LOG_FIELD_CHARS, AccessLog, AccessRecord\n"
+        "log = AccessLog(open(sys.argv[1], 'wb'), interval_s=60.0)\n"
+        "async def main():\n"
+        "    for i in range(3):\n"
+        "        log.write(AccessRecord(str(i), 'POST', '/v1/completions', status=200))\n"
+        "asyncio.run(main())\n"
+    )
+    out = tmp_path / "access.log"
+    subprocess.run([sys.executable, str(script), str(out)], check=True, timeout=60)
+    assert [orjson.loads(line)["request_id"] for line in out.read_bytes().splitlines()] == [
+        "0",
+        "1",
+        "2",
+    ]
+
+
+@pytest.mark.parametrize("name", CLIPPED_FIELDS)
+def test_a_long_client_string_is_clipped_even_in_the_shortest_line(name: str) -> None:
+    stream = io.BytesIO()
+    log = AccessLog(stream)
+    short = AccessRecord(request_id="", method="", path="", ts=0.0, logger="")
+    setattr(short, name, "x" * LOG_FIELD_CHARS)
+    log.write(short)
+    long = AccessRecord(request_id="", method="", path="", ts=0.0, logger="")
+    setattr(long, name, "y" * (LOG_FIELD_CHARS + 1))
+    log.write(long)
+    first, second = (orjson.loads(line) for line in stream.getvalue().splitlines())
+    assert first[name] == "x" * LOG_FIELD_CHARS
+    assert second[name] == "y" * LOG_FIELD_CHARS + f"… ({LOG_FIELD_CHARS + 1} characters)"
+
+
+def test_a_long_line_keeps_its_short_fields_and_other_long_ones() -> None:
+    stream = io.BytesIO()
+    log = AccessLog(stream)
+    long = AccessRecord(request_id="r" * 600, method="POST", path="/v1/completions")
+    long.model = "m"
+    log.write(long)
+    line = orjson.loads(stream.getvalue())
+    assert (line["request_id"], line["model"], line["path"]) == ("r" * 600, "m", "/v1/completions")
+
+
+def test_the_line_has_every_public_field_in_order() -> None:
+    stream = io.BytesIO()
+    AccessLog(stream).write(record("a"))
+    line = orjson.loads(stream.getvalue())
+    public = [f.name for f in dataclasses.fields(AccessRecord) if not f.name.startswith("_")]
+    assert list(line) == public
 
 
 def test_without_a_running_loop_every_line_is_flushed_at_once() -> None:
