@@ -163,8 +163,7 @@ class AccessLog:
         self.enabled = enabled
         self._interval_s = interval_s
         self._max_bytes = max_bytes
-        self._lines: list[bytes] = []
-        self._size = 0
+        self._buffer = bytearray()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_loop: asyncio.AbstractEventLoop | None = None
         _open_logs.add(self)
@@ -175,9 +174,9 @@ class AccessLog:
         line = orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE)
         if len(line) >= CLIP_CHECK_BYTES and _clip(record):
             line = orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE)
-        self._lines.append(line)
-        self._size += len(line)
-        if self._size >= self._max_bytes:
+        buffer = self._buffer
+        buffer += line  # a copy: orjson's output, kept alive, costs more than copying it
+        if len(buffer) >= self._max_bytes:
             self.flush()
             return
         try:
@@ -196,13 +195,12 @@ class AccessLog:
         if timer is not None:
             self._timer = self._timer_loop = None
             timer.cancel()
-        lines = self._lines
-        if not lines:
+        data = self._buffer
+        if not data:
             return
-        self._lines = []
-        self._size = 0
+        self._buffer = bytearray()
         try:
-            self._stream.write(b"".join(lines))
+            self._stream.write(data)
             self._stream.flush()
         except (OSError, ValueError):
             pass
