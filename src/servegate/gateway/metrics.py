@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import metrics as _client_metrics
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -144,13 +145,17 @@ class Family(Collector):
         labels: Sequence[str] = (),
         buckets: Sequence[float] = (),
         registry: CollectorRegistry | None = None,
+        created: bool = False,
     ) -> None:
+        """`created`: a counter also exports each child's creation time (`_created`), as
+        prometheus_client's `Counter` does (unless its created series are disabled)."""
         self.name = name
         self.documentation = documentation
         self.kind = kind
         self.label_names = tuple(labels)
         self.bounds = tuple(float(b) for b in buckets)
         self.children: dict[tuple[str, ...], Value | Buckets] = {}
+        self.created: dict[tuple[str, ...], float] | None = {} if created else None
         if registry is not None:
             registry.register(self)
 
@@ -161,6 +166,8 @@ class Family(Collector):
         if child is None:
             child = Buckets(self.bounds) if self.kind == "histogram" else Value()
             self.children[values] = child
+            if self.created is not None:
+                self.created[values] = time.time()
         return child
 
     def labels(self, *values: str) -> Value:
@@ -176,11 +183,14 @@ class Family(Collector):
     def collect(self) -> Iterable[Metric]:
         out = Metric(self.name, self.documentation, self.kind)
         names = self.label_names
+        created = self.created if _client_metrics._use_created else None
         for values, child in self.children.items():
             labels = dict(zip(names, values, strict=True))
             if isinstance(child, Value):
                 suffix = "_total" if self.kind == "counter" else ""
                 out.add_sample(self.name + suffix, labels, child.value)
+                if created is not None:
+                    out.add_sample(self.name + "_created", labels, created[values])
                 continue
             cumulative = 0
             for bound, count in zip((*child.bounds, math.inf), child.counts, strict=True):
@@ -540,8 +550,13 @@ class GatewayMetrics:
             ["endpoint"],
             registry=r,
         )
-        self.responses = Counter(
-            "servegate_http_responses", "Responses sent by status code.", ["code"], registry=r
+        self.responses = Family(
+            "servegate_http_responses",
+            "Responses sent by status code.",
+            "counter",
+            ["code"],
+            registry=r,
+            created=True,
         )
         self.disagg_decisions = Counter(
             "llm_d_inference_scheduler_disagg_decision",
@@ -587,7 +602,7 @@ class GatewayMetrics:
         self.bound_model = BoundedLabel()
         self.bound_fairness = BoundedLabel()
         self._series: dict[tuple[str, str, str, int], RequestSeries] = {}
-        self._response_children: dict[int, Counter] = {}
+        self._response_children: dict[int, Value] = {}
         self._attempt_children: dict[tuple[str, str], Value] = {}
         self._error_children: dict[tuple[str, str, str, str, str], Value] = {}
         self._score_children: dict[tuple[str, str], Buckets] = {}
@@ -700,7 +715,7 @@ class GatewayMetrics:
             )
         )
 
-    def response(self, status: int) -> Counter:
+    def response(self, status: int) -> Value:
         child = self._response_children.get(status)
         if child is None:
             child = self._response_children[status] = self.responses.labels(str(status))
