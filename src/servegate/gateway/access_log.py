@@ -37,8 +37,37 @@ FLUSH_BYTES = 64 * 1024
 """A buffer this full is written at once."""
 
 
+class _Relayed:
+    """A record's inter-chunk bookkeeping. Not dataclass fields (a base that is not a
+    dataclass contributes none): class-level defaults until a stream's chunks set them on
+    the instance, so that a unary request's record never stores them. orjson skips `_`
+    names."""
+
+    _relayed_at: float = 0.0
+    _itl: Buckets | None = None
+    """Gaps between response chunks relayed, bucketed as the ITL histogram counts them."""
+
+    def relayed(self, now: float) -> None:
+        """A response chunk went to the client at `now` (monotonic): count the gap since
+        the previous one (`llm_d_epp_request_streaming_itl_seconds`)."""
+        last = self._relayed_at
+        self._relayed_at = now
+        if last:
+            gaps = self._itl
+            if gaps is None:
+                gaps = self._itl = Buckets(TPOT_BUCKETS)
+            gap = now - last
+            gaps.counts[bisect_left(TPOT_BUCKETS, gap)] += 1
+            gaps.sum += gap
+
+    @property
+    def itl(self) -> Buckets | None:
+        """The inter-chunk gaps of the relayed response; None before a second chunk."""
+        return self._itl
+
+
 @dataclass
-class AccessRecord:
+class AccessRecord(_Relayed):
     """One access-log line; its public fields, in this order, are the line's keys."""
 
     request_id: str
@@ -81,28 +110,6 @@ class AccessRecord:
     """Time from arrival to the scheduling decision (queueing, tokenisation)."""
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
-    _relayed_at: float = 0.0
-    _itl: Buckets | None = None
-    """Gaps between response chunks relayed, bucketed as the ITL histogram counts them
-    (not logged: orjson skips `_` names)."""
-
-    def relayed(self, now: float) -> None:
-        """A response chunk went to the client at `now` (monotonic): count the gap since
-        the previous one (`llm_d_epp_request_streaming_itl_seconds`)."""
-        last = self._relayed_at
-        self._relayed_at = now
-        if last:
-            gaps = self._itl
-            if gaps is None:
-                gaps = self._itl = Buckets(TPOT_BUCKETS)
-            gap = now - last
-            gaps.counts[bisect_left(TPOT_BUCKETS, gap)] += 1
-            gaps.sum += gap
-
-    @property
-    def itl(self) -> Buckets | None:
-        """The inter-chunk gaps of the relayed response; None before a second chunk."""
-        return self._itl
 
 
 def _clip(record: AccessRecord) -> bool:
