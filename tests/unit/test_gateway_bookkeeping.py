@@ -54,3 +54,42 @@ def test_a_response_child_is_created_once_per_status() -> None:
     metrics = GatewayMetrics(lambda: [])
     assert metrics.response(200) is metrics.response(200)
     assert metrics.response(200) is not metrics.response(500)
+
+
+def family_text(text: bytes, name: str) -> list[str]:
+    """`name`'s lines (under every name it is exported as), creation times masked."""
+    lines = [line for line in text.decode().splitlines() if name in line]
+    return [re.sub(r"(_created\{[^}]*\}) \S+", r"\1 <t>", line) for line in lines]
+
+
+def test_pd_decisions_render_as_prometheus_client_counters() -> None:
+    metrics = GatewayMetrics(lambda: [])
+    for kind in ("prefill-decode", "decode-only", "prefill-decode"):
+        metrics.pd_decision("m", kind)
+    registry = CollectorRegistry(auto_describe=True)
+    for family in (metrics.disagg_decisions, *metrics.pd_decision_families):
+        counter = Counter(
+            family.name, family.documentation, ["model_name", "decision_type"], registry=registry
+        )
+        for kind in ("prefill-decode", "decode-only", "prefill-decode"):
+            counter.labels("m", kind).inc()
+    expected = generate_latest(registry)
+    for name in ("disagg_decision", "pd_decision"):
+        assert family_text(metrics.render(), name) == family_text(expected, name)
+    assert family_text(metrics.render(), "llm_d_epp_pd_decision_total")
+
+
+def test_model_rewrites_render_as_a_prometheus_client_counter() -> None:
+    metrics = GatewayMetrics(lambda: [])
+    metrics.rewritten("split", "m", "t")
+    metrics.rewritten("split", "m", "t")
+    registry = CollectorRegistry(auto_describe=True)
+    counter = Counter(
+        metrics.rewrites.name,
+        metrics.rewrites.documentation,
+        ["model_rewrite_name", "model_name", "target_model"],
+        registry=registry,
+    )
+    counter.labels("split", "m", "t").inc(2)
+    name = "llm_d_epp_model_rewrite_decisions"
+    assert family_text(metrics.render(), name) == family_text(generate_latest(registry), name)
