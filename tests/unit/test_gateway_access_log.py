@@ -3,6 +3,7 @@ import dataclasses
 import io
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import orjson
@@ -180,3 +181,17 @@ async def test_a_broken_stream_never_fails_the_request(exc: Exception) -> None:
     log.write(record("a"))
     await asyncio.sleep(0)
     log.flush()
+
+
+def test_a_record_at_arrival_is_the_constructed_record() -> None:
+    before = time.time()
+    fast = AccessRecord.arrived("r", "POST", "/v1/completions")
+    built = AccessRecord("r", "POST", "/v1/completions", ts=fast.ts)
+    assert before <= fast.ts <= time.time()
+    assert fast == built
+    assert list(vars(fast)) == list(vars(built))
+    assert orjson.dumps(fast) == orjson.dumps(built)
+    fast.relayed(1.0)
+    fast.relayed(1.5)
+    assert fast.itl is not None and fast.itl.count == 1
+    assert built.itl is None

@@ -21,7 +21,7 @@ import sys
 import time
 import weakref
 from bisect import bisect_left
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import IO, Any
 
 import orjson
@@ -110,6 +110,26 @@ class AccessRecord(_Relayed):
     """Time from arrival to the scheduling decision (queueing, tokenisation)."""
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+
+    @classmethod
+    def arrived(cls, request_id: str, method: str, path: str) -> AccessRecord:
+        """A request's record at arrival, every other field at its default: the same as
+        `AccessRecord(request_id, method, path)` at about half the cost (one copy of the
+        defaults instead of 31 attribute stores)."""
+        record = object.__new__(cls)
+        values = record.__dict__
+        values.update(_ARRIVAL)
+        values["request_id"] = request_id
+        values["method"] = method
+        values["path"] = path
+        values["ts"] = time.time()
+        return record
+
+
+_ARRIVAL = {
+    f.name: None if f.default is MISSING else f.default
+    for f in fields(AccessRecord)  # in field order, which is the line's key order
+}
 
 
 def _clip(record: AccessRecord) -> bool:
