@@ -9,7 +9,13 @@ from pathlib import Path
 import orjson
 import pytest
 
-from servegate.gateway.access_log import CLIPPED_FIELDS, LOG_FIELD_CHARS, AccessLog, AccessRecord
+from servegate.gateway.access_log import (
+    CLIPPED_FIELDS,
+    FLUSH_BYTES,
+    LOG_FIELD_CHARS,
+    AccessLog,
+    AccessRecord,
+)
 
 
 class CountingStream(io.BytesIO):
@@ -52,7 +58,7 @@ def lines(stream: io.BytesIO) -> list[str]:
 @pytest.mark.parametrize("count", [1, 3, 50], ids=["one", "three", "fifty"])
 async def test_lines_of_many_loop_turns_share_one_write_after_the_interval(count: int) -> None:
     stream = CountingStream()
-    log = AccessLog(stream, interval_s=0.02)
+    log = AccessLog(stream, interval_s=0.02, max_bytes=1 << 20)
     for i in range(count):
         log.write(record(str(i)))
         await asyncio.sleep(0)
@@ -66,7 +72,7 @@ async def test_lines_of_many_loop_turns_share_one_write_after_the_interval(count
     assert lines(stream)[-1] == "next"
 
 
-async def test_a_full_buffer_is_written_at_once() -> None:
+async def test_a_line_that_would_overfill_the_buffer_sends_the_buffer_first() -> None:
     stream = CountingStream()
     one = len(orjson.dumps(record("0"), option=orjson.OPT_APPEND_NEWLINE))
     log = AccessLog(stream, interval_s=60.0, max_bytes=3 * one)
@@ -76,6 +82,34 @@ async def test_a_full_buffer_is_written_at_once() -> None:
     assert lines(stream) == [str(i) for i in range(6)]
     log.flush()
     assert lines(stream) == [str(i) for i in range(7)]
+
+
+class WriteSizes(io.BytesIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def write(self, data: object) -> int:
+        self.sizes.append(len(data))  # type: ignore[arg-type]
+        return super().write(data)  # type: ignore[call-overload]
+
+
+async def test_no_write_splits_a_line_or_passes_the_pipes_atomic_size() -> None:
+    stream = WriteSizes()
+    log = AccessLog(stream, interval_s=60.0)
+    for i in range(200):
+        log.write(record(f"r{i}" * (i % 7)))
+    log.write(record("x" * (FLUSH_BYTES + 10)))  # longer than a pipe write on its own
+    log.write(record("after"))
+    log.flush()
+    assert lines(stream)[-2:] == ["x" * (FLUSH_BYTES + 10), "after"]
+    assert len(lines(stream)) == 202
+    assert max(stream.sizes[:-2]) <= FLUSH_BYTES
+    assert stream.sizes[-2] > FLUSH_BYTES  # the long line went out alone
+    written = 0
+    for size in stream.sizes:  # each write ends a line
+        written += size
+        assert stream.getvalue()[written - 1 : written] == b"\n"
 
 
 async def test_flush_writes_what_is_buffered_and_disarms_the_timer() -> None:
@@ -108,7 +142,7 @@ def test_a_clean_exit_writes_the_buffered_lines(tmp_path: Path) -> None:
     script = tmp_path / "exit.py"
     script.write_text(
         "import asyncio, sys\n"
-        "from servegate.gateway.access_log import CLIPPED_FIELDS, LOG_FIELD_CHARS, AccessLog, AccessRecord\n"
+        "from servegate.gateway.access_log import AccessLog, AccessRecord\n"
         "log = AccessLog(open(sys.argv[1], 'wb'), interval_s=60.0)\n"
         "async def main():\n"
         "    for i in range(3):\n"

@@ -2,10 +2,11 @@
 
 The access line is rendered with orjson (no logging formatter machinery on the hot
 path) into a buffer that goes to the stream in one write every `FLUSH_INTERVAL_S`, or
-as soon as it holds `FLUSH_BYTES`, so a busy gateway pays one write(2) for hundreds of
-lines rather than one per loop turn; the buffer is written out at shutdown (the
-servers call `flush`, and an exit hook covers every other clean exit). Probes and
-/metrics are never logged.
+sooner when the next line would take it past `FLUSH_BYTES` (the pipe's atomic write
+size, so that workers sharing a stdout pipe never interleave parts of lines), so a
+busy gateway pays one write(2) for several lines rather than one per loop turn; the
+buffer is written out at shutdown (the servers call `flush`, and an exit hook covers
+every other clean exit). Probes and /metrics are never logged.
 
 The record is a plain (not slotted) dataclass: orjson renders an instance from its
 `__dict__` about three times faster than from slots, which is more than the slots save
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import select
 import sys
 import time
 import weakref
@@ -33,8 +35,8 @@ LOG_FIELD_CHARS = 256
 CLIPPED_FIELDS = ("model", "target_model", "error", "prefill_error", "path")
 FLUSH_INTERVAL_S = 0.05
 """The longest a line waits in the buffer while the event loop runs."""
-FLUSH_BYTES = 64 * 1024
-"""A buffer this full is written at once."""
+FLUSH_BYTES: int = getattr(select, "PIPE_BUF", 512)
+"""The most one write holds (unless one line is longer): a pipe takes this much atomically."""
 
 
 class _Relayed:
@@ -202,10 +204,10 @@ class AccessLog:
         if len(line) >= CLIP_CHECK_BYTES and _clip(record):
             line = orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE)
         buffer = self._buffer
+        if len(buffer) + len(line) > self._max_bytes:
+            self._write_out()  # never a line split across two writes
+            buffer = self._buffer
         buffer += line  # a copy: orjson's output, kept alive, costs more than copying it
-        if len(buffer) >= self._max_bytes:
-            self.flush()
-            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -222,6 +224,9 @@ class AccessLog:
         if timer is not None:
             self._timer = self._timer_loop = None
             timer.cancel()
+        self._write_out()
+
+    def _write_out(self) -> None:
         data = self._buffer
         if not data:
             return
