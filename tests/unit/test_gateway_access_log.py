@@ -229,3 +229,5 @@ def test_a_record_at_arrival_is_the_constructed_record() -> None:
     fast.relayed(1.5)
     assert fast.itl is not None and fast.itl.count == 1
     assert built.itl is None
+    public = [f.name for f in dataclasses.fields(AccessRecord) if not f.name.startswith("_")]
+    assert list(orjson.loads(orjson.dumps(fast))) == public  # the gap state is not logged
