@@ -81,7 +81,7 @@ class Director:
         self, request_id: str, method: str, path: str, headers: Mapping[str, str], started: float
     ) -> RequestContext:
         """A request arrived: its context, on the snapshot current now."""
-        record = AccessRecord(request_id=request_id, method=method, path=path)
+        record = AccessRecord.arrived(request_id, method, path)
         return RequestContext(self.snapshot, request_id, record, started, headers, NO_HEADERS)
 
     @staticmethod

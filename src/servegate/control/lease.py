@@ -17,13 +17,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from servegate.gateway.pools import PoolRuntime
     from servegate.pool.endpoint import EndpointState
+    from servegate.pool.pool import Pool
 
 
 class Lease:
-    __slots__ = ("_admitted", "_released", "runtime", "state", "tokens")
+    __slots__ = ("_admitted", "_released", "pool", "runtime", "state", "tokens")
 
     def __init__(self, runtime: PoolRuntime) -> None:
         self.runtime = runtime
+        self.pool: Pool = runtime.state.pool
+        """The runtime's pool (fixed for its life), where the endpoint count is held."""
         self.state: EndpointState | None = None
         """The endpoint holding the request's in-flight count; None before scheduling."""
         self.tokens = 0
@@ -43,14 +46,14 @@ class Lease:
         """Count the request on the endpoint the scheduler picked."""
         self.tokens = tokens
         self.state = state
-        self.runtime.state.pool.acquire(state, tokens, now)
+        self.pool.acquire(state, tokens, now)
 
     def move(self, state: EndpointState) -> None:
         """Another endpoint serves the request (a fallback): the count moves there."""
         held = self.state
         if held is state or self._released:
             return
-        pool = self.runtime.state.pool
+        pool = self.pool
         if held is not None:
             pool.release(held, self.tokens)
         pool.acquire(state, self.tokens)
@@ -62,7 +65,7 @@ class Lease:
         self._released = True
         runtime = self.runtime
         if self.state is not None:
-            runtime.state.pool.release(self.state, self.tokens)
+            self.pool.release(self.state, self.tokens)
         if self._admitted:
             runtime.admission.completed()
         runtime.leave()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import metrics as _client_metrics
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -144,13 +145,17 @@ class Family(Collector):
         labels: Sequence[str] = (),
         buckets: Sequence[float] = (),
         registry: CollectorRegistry | None = None,
+        created: bool = False,
     ) -> None:
+        """`created`: a counter also exports each child's creation time (`_created`), as
+        prometheus_client's `Counter` does (unless its created series are disabled)."""
         self.name = name
         self.documentation = documentation
         self.kind = kind
         self.label_names = tuple(labels)
         self.bounds = tuple(float(b) for b in buckets)
         self.children: dict[tuple[str, ...], Value | Buckets] = {}
+        self.created: dict[tuple[str, ...], float] | None = {} if created else None
         if registry is not None:
             registry.register(self)
 
@@ -161,6 +166,8 @@ class Family(Collector):
         if child is None:
             child = Buckets(self.bounds) if self.kind == "histogram" else Value()
             self.children[values] = child
+            if self.created is not None:
+                self.created[values] = time.time()
         return child
 
     def labels(self, *values: str) -> Value:
@@ -176,11 +183,14 @@ class Family(Collector):
     def collect(self) -> Iterable[Metric]:
         out = Metric(self.name, self.documentation, self.kind)
         names = self.label_names
+        created = self.created if _client_metrics._use_created else None
         for values, child in self.children.items():
             labels = dict(zip(names, values, strict=True))
             if isinstance(child, Value):
                 suffix = "_total" if self.kind == "counter" else ""
                 out.add_sample(self.name + suffix, labels, child.value)
+                if created is not None:
+                    out.add_sample(self.name + "_created", labels, created[values])
                 continue
             cumulative = 0
             for bound, count in zip((*child.bounds, math.inf), child.counts, strict=True):
@@ -512,11 +522,13 @@ class GatewayMetrics:
             ["status", "target_model_name", "endpoint_name", "namespace", "port"],
             registry=r,
         )
-        self.rewrites = Counter(
+        self.rewrites = Family(
             "llm_d_epp_model_rewrite_decisions",
             "Model rewrites applied, by rule name, requested model and target model.",
+            "counter",
             ["model_rewrite_name", "model_name", "target_model"],
             registry=r,
+            created=True,
         )
         self.info = Gauge(
             "llm_d_epp_info", "Build information.", ["commit", "build_ref"], registry=r
@@ -540,17 +552,24 @@ class GatewayMetrics:
             ["endpoint"],
             registry=r,
         )
-        self.responses = Counter(
-            "servegate_http_responses", "Responses sent by status code.", ["code"], registry=r
+        self.responses = Family(
+            "servegate_http_responses",
+            "Responses sent by status code.",
+            "counter",
+            ["code"],
+            registry=r,
+            created=True,
         )
-        self.disagg_decisions = Counter(
+        self.disagg_decisions = Family(
             "llm_d_inference_scheduler_disagg_decision",
             "Prefill/decode decisions by type (decode-only, prefill-decode), as llm-d counts them.",
+            "counter",
             ["model_name", "decision_type"],
             registry=r,
+            created=True,
         )
         self.pd_decision_families = tuple(
-            Counter(name, doc, ["model_name", "decision_type"], registry=r)
+            Family(name, doc, "counter", ["model_name", "decision_type"], registry=r, created=True)
             for name, doc in (
                 ("llm_d_epp_disagg_decision", "Disaggregation decisions by type (llm-d-router)."),
                 ("llm_d_epp_pd_decision", "P/D decisions by type (llm-d-router, deprecated)."),
@@ -560,7 +579,7 @@ class GatewayMetrics:
                 ),
             )
         )
-        self._pd_children: dict[tuple[str, str], tuple[Counter, ...]] = {}
+        self._pd_children: dict[tuple[str, str], tuple[Value, ...]] = {}
         self.disagg_fallbacks = Counter(
             "servegate_disagg_prefill_fallbacks",
             "Gateway-orchestrated prefill legs that failed, so the decode replica prefilled itself.",
@@ -587,7 +606,7 @@ class GatewayMetrics:
         self.bound_model = BoundedLabel()
         self.bound_fairness = BoundedLabel()
         self._series: dict[tuple[str, str, str, int], RequestSeries] = {}
-        self._response_children: dict[int, Counter] = {}
+        self._response_children: dict[int, Value] = {}
         self._attempt_children: dict[tuple[str, str], Value] = {}
         self._error_children: dict[tuple[str, str, str, str, str], Value] = {}
         self._score_children: dict[tuple[str, str], Buckets] = {}
@@ -700,7 +719,7 @@ class GatewayMetrics:
             )
         )
 
-    def response(self, status: int) -> Counter:
+    def response(self, status: int) -> Value:
         child = self._response_children.get(status)
         if child is None:
             child = self._response_children[status] = self.responses.labels(str(status))
@@ -713,7 +732,7 @@ class GatewayMetrics:
         series = self._series.get(key)
         if series is None:
             series = self._series[key] = self._create(model, target, fairness, priority)
-        series.running.inc()
+        series.running.value += 1
         return series
 
     def _create(self, model: str, target: str, fairness_id: str, priority: int) -> RequestSeries:
@@ -753,7 +772,7 @@ class GatewayMetrics:
         child = self._error_children.get(key)
         if child is None:
             child = self._error_children[key] = self.request_errors.labels(*key)
-        child.inc()
+        child.value += 1
 
     def finish(
         self,
@@ -768,32 +787,36 @@ class GatewayMetrics:
         A response the replica answered with a status other than 2xx counts as
         `ModelServerError` (as llm-d counts it); a client that left (499) is no error.
         """
-        series.running.dec()
-        series.requests.inc()
+        series.running.value -= 1
+        series.requests.value += 1
         series.duration.observe(elapsed_s)
         series.request_size.observe(request_bytes)
+        status = record.status
         if error_code is not None:
             self.error(error_code, series)
-        elif not 200 <= record.status < 300 and record.status != 499:
+        elif not 200 <= status < 300 and status != 499:
             self.error(MODEL_SERVER_ERROR, series)
-        if record.response_bytes:
-            series.response_size.observe(record.response_bytes)
+        response_bytes = record.response_bytes
+        if response_bytes:
+            series.response_size.observe(response_bytes)
+        stream = record.stream
         ttft_ms = record.ttft_ms
         if ttft_ms is not None:
             ttft = ttft_ms / 1000.0
-            (series.ttft_streaming if record.stream else series.ttft_unary).observe(ttft)
+            (series.ttft_streaming if stream else series.ttft_unary).observe(ttft)
         prompt = record.prompt_tokens
         if prompt:
             series.input_tokens.observe(prompt)
-        if record.cached_tokens is not None:
-            series.cached_tokens.observe(record.cached_tokens)
+        cached = record.cached_tokens
+        if cached is not None:
+            series.cached_tokens.observe(cached)
         output = record.completion_tokens
         if output and elapsed_s > 0:
             series.output_tokens.observe(output)
             series.ntpot.observe(elapsed_s / output)
-            if record.stream and ttft_ms is not None and output > 1:
+            if stream and ttft_ms is not None and output > 1:
                 series.streaming_tpot.observe((elapsed_s - ttft_ms / 1000.0) / (output - 1))
-        if record.stream:
+        if stream:
             gaps = record.itl
             if gaps is not None:
                 series.streaming_itl.merge(gaps)
@@ -809,7 +832,7 @@ class GatewayMetrics:
                 for family in (self.disagg_decisions, *self.pd_decision_families)
             )
         for child in children:
-            child.inc()
+            child.value += 1
 
     def scheduled(self, target: str, address: str | None) -> None:
         """One scheduling attempt: `address` is the primary endpoint, None when it failed."""
@@ -823,10 +846,10 @@ class GatewayMetrics:
                 port = address.rpartition(":")[2]
                 child = self.attempts.labels("success", target, address, "", port)
             self._attempt_children[key] = child
-        child.inc()
+        child.value += 1
 
     def rewritten(self, rule: str, model: str, target: str) -> None:
-        self.rewrites.labels(rule, self.bound_model(model), target).inc()
+        self.rewrites.labels(rule, self.bound_model(model), target).value += 1
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

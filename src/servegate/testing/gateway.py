@@ -33,12 +33,12 @@ class GatewayRunner:
         self._config_dir = config_dir
         self.host = host
         self.source = source
-        self.access_stream = io.BytesIO()
+        self._access = io.BytesIO()
         self._runner: web.AppRunner | None = None
         self.port = 0
 
     async def __aenter__(self) -> GatewayRunner:
-        gw = build_gateway(self.config, self._config_dir, self.access_stream)
+        gw = build_gateway(self.config, self._config_dir, self._access)
         self.app = create_app(gw, self.source)
         self._runner = web.AppRunner(
             self.app,
@@ -74,6 +74,13 @@ class GatewayRunner:
     @property
     def reloader(self) -> Reloader:
         return self.app[RELOADER]
+
+    @property
+    def access_stream(self) -> io.BytesIO:
+        """The access log so far: what the gateway still buffers is written out first."""
+        if hasattr(self, "app"):
+            self.gateway.access_log.flush()
+        return self._access
 
     def access_lines(self) -> list[dict[str, Any]]:
         import orjson
