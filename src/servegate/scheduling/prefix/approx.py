@@ -192,23 +192,35 @@ class ApproxPrefixIndex:
         where = self._where
         held = lru.keys
         refresh = held.move_to_end
-        for key in keys:
-            if key in held:
-                refresh(key)  # held already, so `where` names this address for it
-                continue
-            held[key] = None
-            holders = where.get(key)
-            if holders is None:
-                where[key] = {address}
-            else:
-                holders.add(address)
-            if len(held) > lru.capacity:
-                evicted = held.popitem(last=False)[0]
-                gone = where.get(evicted)
-                if gone is not None:
-                    gone.discard(address)
-                    if not gone:
-                        del where[evicted]
+        again = lru.chains.get(keys[-1]) if chained and keys else None
+        if (
+            again is not None
+            and again.touches == lru.touches
+            and again.length == len(keys)
+            and again.keys is None
+        ):
+            # this chain was the last thing inserted here and nothing touched the LRU since:
+            # its keys are already the newest, in this order, so refreshing them would move
+            # nothing (the same prompt sent to the same replica again); counters as below
+            pass
+        else:
+            for key in keys:
+                if key in held:
+                    refresh(key)  # held already, so `where` names this address for it
+                    continue
+                held[key] = None
+                holders = where.get(key)
+                if holders is None:
+                    where[key] = {address}
+                else:
+                    holders.add(address)
+                if len(held) > lru.capacity:
+                    evicted = held.popitem(last=False)[0]
+                    gone = where.get(evicted)
+                    if gone is not None:
+                        gone.discard(address)
+                        if not gone:
+                            del where[evicted]
         if len(held) >= lru.capacity:
             lru.evictions += 1  # this call may have evicted: every eviction leaves it full
         lru.touches += len(keys)
