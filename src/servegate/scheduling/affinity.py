@@ -178,11 +178,7 @@ class PrefixCacheAffinityFilter:
         if max(scores) < threshold:
             self._count("no-match")
             return endpoints
-        held = [score >= threshold for score in scores]
-        sticky = list(compress(endpoints, held))
-        sticky_scores = list(compress(scores, held))
-        others = list(compress(endpoints, map(not_, held)))
-        other_scores = list(compress(scores, map(not_, held)))
+        sticky, sticky_scores, others, other_scores = _split(endpoints, scores, threshold)
         if not others:
             self._count("sticky")
             return sticky
@@ -235,6 +231,38 @@ class PrefixCacheAffinityFilter:
                     return [*sticky, *within]
         self._count("sticky")
         return sticky
+
+
+SPLIT_LOOP_LIMIT = 8
+"""Up to this many endpoints the affinity filter splits them in one Python pass; above, with
+`compress` over a mask (four C passes beat one Python pass over a large pool)."""
+
+
+def _split(
+    endpoints: list[EndpointState], scores: Sequence[float], threshold: float
+) -> tuple[list[EndpointState], list[float], list[EndpointState], list[float]]:
+    """The endpoints scoring at least `threshold` and the others, each with their scores,
+    in the endpoints' order."""
+    if len(endpoints) > SPLIT_LOOP_LIMIT:
+        held = [score >= threshold for score in scores]
+        return (
+            list(compress(endpoints, held)),
+            list(compress(scores, held)),
+            list(compress(endpoints, map(not_, held))),
+            list(compress(scores, map(not_, held))),
+        )
+    sticky: list[EndpointState] = []
+    sticky_scores: list[float] = []
+    others: list[EndpointState] = []
+    other_scores: list[float] = []
+    for state, score in zip(endpoints, scores, strict=True):
+        if score >= threshold:
+            sticky.append(state)
+            sticky_scores.append(score)
+        else:
+            others.append(state)
+            other_scores.append(score)
+    return sticky, sticky_scores, others, other_scores
 
 
 # -- no-hit-lru-scorer ---------------------------------------------------------------------

@@ -113,12 +113,20 @@ class ServerLRU:
             return  # (a chain longer than the LRU lost its first blocks while it went in)
         chains = self.chains
         last = keys[-1]
-        old = chains.pop(last, None)
-        if old is not None:
-            self.recorded -= old.length
-        kept = None if chained else list(keys)
-        chains[last] = _Chain(kept, n, self.touches, self.evictions, len(self.keys) - n)
-        self.recorded += n
+        old = chains.get(last)
+        if old is not None and chained and old.keys is None and old.length == n:
+            # the same hash chain again: its record, updated in place, becomes the newest
+            old.touches = self.touches
+            old.evictions = self.evictions
+            old.ahead = len(self.keys) - n
+            chains.move_to_end(last)
+        else:
+            if old is not None:
+                del chains[last]
+                self.recorded -= old.length
+            kept = None if chained else list(keys)
+            chains[last] = _Chain(kept, n, self.touches, self.evictions, len(self.keys) - n)
+            self.recorded += n
         while self.recorded > bound:
             self.recorded -= chains.popitem(last=False)[1].length
 
@@ -150,9 +158,10 @@ class ServerLRU:
         return chain.keys == list(keys[:n])
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class _Chain:
-    """One chain inserted whole into one endpoint's LRU, and the LRU's counters just after."""
+    """One chain inserted whole into one endpoint's LRU, and the LRU's counters just after
+    (updated in place when the same chain is inserted again with nothing in between)."""
 
     keys: list[int] | None
     """The chain's keys, kept only when it was not a hash chain (to compare key by key)."""
@@ -189,9 +198,7 @@ class ApproxPrefixIndex:
             lru = self._servers[address] = ServerLRU(capacity or self.default_capacity)
         elif capacity is not None:
             lru.capacity = capacity
-        where = self._where
         held = lru.keys
-        refresh = held.move_to_end
         again = lru.chains.get(keys[-1]) if chained and keys else None
         if (
             again is not None
@@ -204,6 +211,8 @@ class ApproxPrefixIndex:
             # nothing (the same prompt sent to the same replica again); counters as below
             pass
         else:
+            where = self._where
+            refresh = held.move_to_end
             for key in keys:
                 if key in held:
                     refresh(key)  # held already, so `where` names this address for it
