@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import random
 from bisect import bisect_left
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import filterfalse
 from math import gcd
@@ -286,6 +286,10 @@ class _Plan:
 
     filters: tuple[_FilterStep, ...]
     scorers: tuple[_ScorerStep, ...]
+    score_calls: tuple[
+        Callable[[CycleState, LLMRequest, list[EndpointState]], Sequence[float]], ...
+    ]
+    """The scorers' bound `score` methods, in order."""
     names: list[str]
     weights: list[float]
     picker: Picker
@@ -516,6 +520,7 @@ class Scheduler:
                 _ScorerStep(ws.scorer, timings[(SCORER, ws.scorer.name)], ws.weight)
                 for ws in profile.scorers
             ),
+            score_calls=tuple(ws.scorer.score for ws in profile.scorers),
             names=[ws.scorer.name for ws in profile.scorers],
             weights=[ws.weight for ws in profile.scorers],
             picker=profile.picker,
@@ -578,29 +583,34 @@ class Scheduler:
         elif endpoints is candidates or endpoints is remembered:
             endpoints = list(endpoints)  # lists others hold are never handed to plugins
         n = len(endpoints)
-        raws: list[Sequence[float]] = []
         totals: list[float] | None = None
-        fused = n <= FUSED_LIMIT
-        for scoring in plan.scorers:
-            scorer = scoring.plugin
-            raw = scorer.score(cycle, request, endpoints)
-            if len(raw) != n:
-                raise ValueError(
-                    f"scorer {scorer.name!r} returned {len(raw)} scores for {n} endpoints"
-                )
-            if not fused:
-                totals = add_weighted(totals, raw, scoring.weight)
-            raws.append(raw)
-            if weight:
+        if weight:
+            raws: list[Sequence[float]] = []
+            for scoring in plan.scorers:
+                raw = scoring.plugin.score(cycle, request, endpoints)
+                raws.append(raw)
                 t1 = perf_counter_ns()
                 scoring.timing.add(t1 - t0, weight)
                 t0 = t1
-        if fused and raws:
-            totals = weighted_totals(raws, plan.weights)
-            if weight:
-                t0 = perf_counter_ns()  # the framework's sum: no plugin's time
-        if totals is None:
+        else:
+            raws = [score(cycle, request, endpoints) for score in plan.score_calls]
+        if list(map(len, raws)).count(n) != len(raws):
+            scorer, raw = next(
+                (s, r) for s, r in zip(plan.scorers, raws, strict=True) if len(r) != n
+            )
+            raise ValueError(
+                f"scorer {scorer.plugin.name!r} returned {len(raw)} scores for {n} endpoints"
+            )
+        if not raws:
             totals = [0.0] * n
+        elif n <= FUSED_LIMIT:
+            totals = weighted_totals(raws, plan.weights)
+        else:
+            for raw, w in zip(raws, plan.weights, strict=True):
+                totals = add_weighted(totals, raw, w)
+            assert totals is not None
+        if weight:
+            t0 = perf_counter_ns()  # the framework's sum: no plugin's time
         ranked = plan.picker.pick(cycle, request, endpoints, totals)
         if weight:
             plan.picker_timing.add(perf_counter_ns() - t0, weight)

@@ -74,6 +74,9 @@ class ScorerParameters(ApproxPrefixParameters):
 
 
 INDEX_FIELDS = frozenset(ApproxPrefixParameters.model_fields)
+SEEDS_KEPT = 1024
+"""Chain seeds a prefix scorer remembers (per model, adapter and scale-out key); past that
+it forgets them all and starts again (model names come from clients)."""
 CHAIN_RECORD_BLOCKS = 4096
 """Blocks of recently inserted chains an endpoint's LRU remembers whole (`ServerLRU.chains`):
 16 prompts of 256 blocks. A hash chain's record is a few counters; only a list that is
@@ -372,6 +375,8 @@ class PrefixCacheScorer:
         self.producer: Any = None
         """The `PrefixProducer` this scorer reads, once bound; None = its own index."""
         self._may_bind_default = producer_name is None and not own_index_configured
+        self._chars_per_block = params.chars_per_block()
+        self._seeds: dict[tuple[str, str | None, bytes | None], int] = {}
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
@@ -405,6 +410,21 @@ class PrefixCacheScorer:
             plugins, self.producer_name, "prefixMatchInfoProducerName"
         )
 
+    def _seed(self, request: LLMRequest) -> int:
+        """The chain's seed for the request's model and adapter, remembered per (model,
+        adapter, scale-out key): a handful of values, each computed once."""
+        secret = self.routing.seed_key
+        memo = (request.base_model, request.lora, secret)
+        seed = self._seeds.get(memo)
+        if seed is None:
+            seed = chain_seed(request.base_model, request.lora)
+            if secret is not None:
+                seed = keyed_seed(secret, seed)
+            if len(self._seeds) >= SEEDS_KEPT:
+                self._seeds.clear()
+            self._seeds[memo] = seed
+        return seed
+
     def block_keys(self, request: LLMRequest) -> list[int]:
         p = self.params
         cache_key = self._hashes_key
@@ -412,9 +432,7 @@ class PrefixCacheScorer:
         if cached is not None:
             keys: list[int] = cached
             return keys
-        seed = chain_seed(request.base_model, request.lora)
-        if self.seed_key is not None:
-            seed = keyed_seed(self.seed_key, seed)
+        seed = self._seed(request)
         tokens = request.cache.get("token_ids")
         if tokens is not None:
             keys = token_block_hashes(
@@ -423,8 +441,9 @@ class PrefixCacheScorer:
             if request.cache.get(PARTIAL_KEY):
                 keys = self._pad(request, keys)
         else:
-            chars = p.chars_per_block()
-            keys = char_block_hashes(request.prompt, chars, seed, p.max_prefix_blocks_to_match)
+            keys = char_block_hashes(
+                request.prompt, self._chars_per_block, seed, p.max_prefix_blocks_to_match
+            )
         request.cache[cache_key] = keys
         return keys
 
