@@ -176,8 +176,8 @@ class ScoreTable(Mapping[str, Mapping[str, float]]):
         except ValueError:
             return None
         return [
-            w if x >= 1.0 else (w * x if x > 0.0 else 0.0)
-            for w, x in zip(self._weights, [column[i] for column in self._raw], strict=True)
+            w if (x := column[i]) >= 1.0 else (w * x if x > 0.0 else 0.0)
+            for w, column in zip(self._weights, self._raw, strict=True)
         ]
 
     def to_dict(self) -> dict[str, dict[str, float]]:
