@@ -327,15 +327,15 @@ every scorer has answered (`weighted_totals`) instead of column by column as eac
 
 def weighted_totals(raws: Sequence[Sequence[float]], weights: Sequence[float]) -> list[float]:
     """Per endpoint, `Σ w · clamp(raw)` over the scorers, added in scorer order: the same
-    floats as `add_weighted` column by column (empty when there are no scorers)."""
+    floats as `add_weighted` column by column (which starts from the first weighted value;
+    `0.0 + v` is `v`), empty when there are no endpoints."""
     out: list[float] = []
     append = out.append
     for row in zip(*raws, strict=True):
-        total: float | None = None
+        total = 0.0
         for w, x in zip(weights, row, strict=True):
-            v = w if x >= 1.0 else (w * x if x > 0.0 else 0.0)
-            total = v if total is None else total + v
-        append(0.0 if total is None else total)
+            total += w if x >= 1.0 else (w * x if x > 0.0 else 0.0)
+        append(total)
     return out
 
 
