@@ -377,3 +377,25 @@ def test_a_chain_sent_again_to_the_same_replica_leaves_its_lru_as_a_walk_would(
         for asked in chains:
             expected = {a: model.held(a, asked) for a in addresses}
             assert index.match_lengths(list(asked), addresses, chained=True) == expected
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_reverse_map_names_exactly_the_replicas_whose_lru_holds_each_key(seed: int) -> None:
+    """Keys held alone share their replica's one frozenset, keys held by several get a set;
+    through insertions, evictions and removed replicas the map stays exact."""
+    rng = random.Random(seed)
+    index = ApproxPrefixIndex(rng.randint(5, 20))
+    chains = random_chains(rng, stems=3, longest=8, count=10)
+    addresses = [f"r{i}" for i in range(4)]
+    for step in range(300):
+        if step % 50 == 49:
+            index.remove_server(rng.choice(addresses))
+        index.insert(rng.choice(addresses), list(rng.choice(chains)), chained=True)
+        expected: dict[int, set[str]] = {}
+        for address, lru in index._servers.items():
+            for key in lru.keys:
+                expected.setdefault(key, set()).add(address)
+        assert {k: set(v) for k, v in index._where.items()} == expected
+    shared = [v for v in index._where.values() if len(v) > 1]
+    alone = [v for v in index._where.values() if isinstance(v, frozenset)]
+    assert shared and alone

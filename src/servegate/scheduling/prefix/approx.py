@@ -176,12 +176,20 @@ class _Chain:
 
 
 class ApproxPrefixIndex:
-    """Per-endpoint LRUs plus a reverse map key → endpoints, for one pass per prompt."""
+    """Per-endpoint LRUs plus a reverse map key → endpoints, for one pass per prompt.
+
+    A key one endpoint holds alone (most keys: a prompt's blocks go where it was routed)
+    maps to that endpoint's one shared `frozenset`, so recording a new block allocates no
+    set (and leaves the garbage collector no container per block to walk); a second
+    holder turns it into a set of its own.
+    """
 
     def __init__(self, default_capacity: int) -> None:
         self.default_capacity = default_capacity
         self._servers: dict[str, ServerLRU] = {}
-        self._where: dict[int, set[str]] = {}
+        self._where: dict[int, set[str] | frozenset[str]] = {}
+        self._alone: dict[str, frozenset[str]] = {}
+        """address → `frozenset({address})`, the holders of each key it holds alone."""
 
     def __len__(self) -> int:
         return sum(len(s.keys) for s in self._servers.values())
@@ -216,6 +224,9 @@ class ApproxPrefixIndex:
         else:
             where = self._where
             refresh = held.move_to_end
+            alone = self._alone.get(address)
+            if alone is None:
+                alone = self._alone[address] = frozenset((address,))
             for key in keys:
                 if key in held:
                     refresh(key)  # held already, so `where` names this address for it
@@ -223,15 +234,20 @@ class ApproxPrefixIndex:
                 held[key] = None
                 holders = where.get(key)
                 if holders is None:
-                    where[key] = {address}
-                else:
+                    where[key] = alone
+                elif type(holders) is set:
                     holders.add(address)
+                else:
+                    where[key] = {*holders, address}
                 if len(held) > lru.capacity:
                     evicted = held.popitem(last=False)[0]
                     gone = where.get(evicted)
                     if gone is not None:
-                        gone.discard(address)
-                        if not gone:
+                        if type(gone) is set:
+                            gone.discard(address)
+                            if not gone:
+                                del where[evicted]
+                        else:  # held alone, and by this address, which held it
                             del where[evicted]
         if len(held) >= lru.capacity:
             lru.evictions += 1  # this call may have evicted: every eviction leaves it full
@@ -242,12 +258,18 @@ class ApproxPrefixIndex:
         lru = self._servers.pop(address, None)
         if lru is None:
             return
+        self._alone.pop(address, None)
+        where = self._where
         for key in lru.keys:
-            holders = self._where.get(key)
-            if holders is not None:
+            holders = where.get(key)
+            if holders is None:
+                continue
+            if type(holders) is set:
                 holders.discard(address)
                 if not holders:
-                    del self._where[key]
+                    del where[key]
+            else:  # held alone, by this address
+                del where[key]
 
     def deepest_holders(self, keys: Sequence[int], limit: int) -> list[str]:
         """Up to `limit` endpoints holding the longest leading runs of `keys`, deepest first.
