@@ -335,7 +335,13 @@ def main(argv: list[str] | None = None) -> int:
                         f"   p99 {q99:7.1f} µs   mean {mean:7.1f} µs"
                     )
     if args.plot:
-        _plot(args.plot, sizes, p50, str(args.labels).split(",") if args.against else [])
+        _plot(
+            args.plot,
+            sizes,
+            p50,
+            str(args.labels).split(",") if args.against else [],
+            "The per-request routing work" if args.routing else "One scheduling decision",
+        )
     return 0
 
 
@@ -384,7 +390,13 @@ def _compare(
                 print(_side_by_side(f"{'':9s}{'':57s} mean", their_means, our_means, mb / ma))
 
 
-def _plot(path: str, sizes: list[int], p50: dict[str, list[float]], labels: list[str]) -> None:
+def _plot(
+    path: str,
+    sizes: list[int],
+    p50: dict[str, list[float]],
+    labels: list[str],
+    what: str = "One scheduling decision",
+) -> None:
     """One line per row; a row's checkouts (`labels`: this, against) and its exhaustive
     variant share a colour; the other checkout is dashed, exhaustive scoring dotted."""
     import matplotlib
@@ -412,8 +424,8 @@ def _plot(path: str, sizes: list[int], p50: dict[str, list[float]], labels: list
     if any("exhaustive" in row for row in p50):
         ax.set_yscale("log")  # exhaustive scoring grows linearly, to milliseconds
     ax.set_xlabel("endpoints in the pool")
-    ax.set_ylabel("p50 decision time (µs)")
-    ax.set_title("One scheduling decision against pool size (bench/bench_scheduler.py)")
+    ax.set_ylabel("p50 time (µs)")
+    ax.set_title(f"{what} against pool size (bench/bench_scheduler.py)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
