@@ -338,6 +338,8 @@ class ApproxPrefixIndex:
             for address in whole:
                 matched[address] = run
             alive.difference_update(whole)
+            if not alive:  # every holder answered from its record: no walk
+                return matched
         depth = 1
         for key in keys[1:]:
             if not alive:
