@@ -474,7 +474,7 @@ class Scheduler:
         profiles = self.profiles
         timing = self._timings[(PROFILE_PICKER, handler.name)]
         results: dict[str, ProfileResult | None] = {}
-        t0 = perf_counter_ns()
+        t0 = perf_counter_ns() if weight else 0
         names = handler.pick_profiles(cycle, request, profiles, results)
         if weight:
             timing.add(perf_counter_ns() - t0, weight)
@@ -490,11 +490,11 @@ class Scheduler:
                         f"profile handler {handler.name!r} asked for unknown profile {name!r}"
                     )
                 results[name] = self._run_profile(profile, cycle, request, candidates, weight)
-            t0 = perf_counter_ns()
+            t0 = perf_counter_ns() if weight else 0
             names = handler.pick_profiles(cycle, request, profiles, results)
             if weight:
                 timing.add(perf_counter_ns() - t0, weight)
-        t0 = perf_counter_ns()
+        t0 = perf_counter_ns() if weight else 0
         decision = handler.process_results(cycle, request, results)
         if weight:
             self._timings[(PROCESS_RESULTS, handler.name)].add(perf_counter_ns() - t0, weight)
@@ -583,7 +583,6 @@ class Scheduler:
         elif endpoints is candidates or endpoints is remembered:
             endpoints = list(endpoints)  # lists others hold are never handed to plugins
         n = len(endpoints)
-        totals: list[float] | None = None
         if weight:
             raws: list[Sequence[float]] = []
             for scoring in plan.scorers:
@@ -606,9 +605,10 @@ class Scheduler:
         elif n <= FUSED_LIMIT:
             totals = weighted_totals(raws, plan.weights)
         else:
-            for raw, w in zip(raws, plan.weights, strict=True):
+            weights = plan.weights
+            totals = add_weighted(None, raws[0], weights[0])
+            for raw, w in zip(raws[1:], weights[1:], strict=True):
                 totals = add_weighted(totals, raw, w)
-            assert totals is not None
         if weight:
             t0 = perf_counter_ns()  # the framework's sum: no plugin's time
         ranked = plan.picker.pick(cycle, request, endpoints, totals)
