@@ -315,8 +315,9 @@ class ApproxPrefixIndex:
     ) -> dict[str, int]:
         """Leading blocks of `keys` (a hash chain when `chained`) each address holds.
 
-        Bisection finds a length `n` whose last block someone holds and whose next block
-        nobody does, so no match is longer. An address that had the first `n` blocks
+        Bisection (or, when someone holds the last block, the whole length) finds a length
+        `n` whose last block someone holds and whose next block nobody does, so no match is
+        longer. An address that had the first `n` blocks
         inserted as a chain, and cannot have lost any of them since
         (`ServerLRU.holds_whole`), matches exactly `n` without a walk: a prompt sent again
         to the replicas that hold it, or one that continues the conversation they were
@@ -332,7 +333,9 @@ class ApproxPrefixIndex:
         if not alive:
             return matched
         servers = self._servers
-        run = self._held_run(keys)
+        # someone holds the last block: no match is longer than all of it (the same prompt
+        # sent again), so no bisection; any `n` with this property gives the same matches
+        run = len(keys) if where.get(keys[-1]) else self._held_run(keys)
         whole = [a for a in alive if servers[a].holds_whole(keys, chained, run)]
         if whole:
             for address in whole:
