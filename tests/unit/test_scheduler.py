@@ -193,6 +193,25 @@ def test_scorer_with_wrong_length_is_an_error_naming_it() -> None:
         scheduler.schedule(REQUEST, pool(3), cycle())
 
 
+@pytest.mark.parametrize("size", [3, FUSED_LIMIT + 2])
+@pytest.mark.parametrize(
+    ("first", "second", "named"),
+    [
+        pytest.param(None, [0.5], "second", id="one-short"),
+        pytest.param([0.5], [0.5], "first", id="both-short-alike"),
+    ],
+)
+def test_a_wrong_length_names_the_scorer_in_small_and_large_pools(
+    size: int, first: list[float] | None, second: list[float], named: str
+) -> None:
+    scheduler = single(
+        WeightedScorer(Fixed("first", first or [0.5] * size), 1.0),
+        WeightedScorer(Fixed("second", second), 1.0),
+    )
+    with pytest.raises(ValueError, match=f"scorer '{named}' returned"):
+        scheduler.schedule(REQUEST, pool(size), cycle())
+
+
 def test_schedule_does_not_touch_its_inputs() -> None:
     eps = pool(3)
     before = [(s.metrics, s.in_flight_requests, s.picks) for s in eps]

@@ -339,6 +339,12 @@ def weighted_totals(raws: Sequence[Sequence[float]], weights: Sequence[float]) -
     return out
 
 
+def _wrong_length(plan: _Plan, raws: list[Sequence[float]], n: int) -> ValueError:
+    """The error for the first scorer that did not return one score per endpoint."""
+    scorer, raw = next((s, r) for s, r in zip(plan.scorers, raws, strict=True) if len(r) != n)
+    return ValueError(f"scorer {scorer.plugin.name!r} returned {len(raw)} scores for {n} endpoints")
+
+
 class Scheduler:
     """Runs `handler`'s profiles over the candidates; `plugins` are all configured plugins."""
 
@@ -593,18 +599,18 @@ class Scheduler:
                 t0 = t1
         else:
             raws = [score(cycle, request, endpoints) for score in plan.score_calls]
-        if list(map(len, raws)).count(n) != len(raws):
-            scorer, raw = next(
-                (s, r) for s, r in zip(plan.scorers, raws, strict=True) if len(r) != n
-            )
-            raise ValueError(
-                f"scorer {scorer.plugin.name!r} returned {len(raw)} scores for {n} endpoints"
-            )
         if not raws:
             totals = [0.0] * n
         elif n <= FUSED_LIMIT:
-            totals = weighted_totals(raws, plan.weights)
+            try:
+                totals = weighted_totals(raws, plan.weights)  # (unequal lengths: ValueError)
+            except ValueError:
+                totals = []
+            if len(totals) != n:
+                raise _wrong_length(plan, raws, n)
         else:
+            if list(map(len, raws)).count(n) != len(raws):
+                raise _wrong_length(plan, raws, n)
             weights = plan.weights
             totals = add_weighted(None, raws[0], weights[0])
             for raw, w in zip(raws[1:], weights[1:], strict=True):
