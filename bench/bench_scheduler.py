@@ -16,6 +16,17 @@ candidate scored), the way one decision cost before pools were shortlisted.
 `--against DIR` times another checkout's scheduler (DIR/src) side by side: each
 row runs in a fresh process per checkout, alternating, `--rounds` times.
 
+`--routing` times instead the whole per-request routing work the gateway does around
+the default profile's decision (`CacheRouting.prepare`, `Scheduler.schedule`,
+`GatewayMetrics.observe_pick`, `Scheduler.pre_request`, `DecisionLog.record`,
+`CacheRouting.headers`) for a 1.5 kB chat prompt parsed anew per request (so its block
+keys are hashed per request, as in production), 16 requests in flight: the same prompt
+each time (held by the replicas it was sent to, the gateway-overhead bench's traffic), or a
+new one each time.
+
+    .venv/bin/python bench/bench_scheduler.py --routing --endpoints 2,8,100,1000,3000 \
+        --n 5000 --against /path/to/other/checkout --clock cpu --rounds 3
+
     .venv/bin/python bench/bench_scheduler.py --endpoints 2,8,100,1000 --n 3000 \
         --against /path/to/other/checkout --clock cpu
 """
@@ -31,9 +42,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
-from servegate.pool.endpoint import LoraInfo, Role
+from servegate.pool.endpoint import EndpointState, LoraInfo, Role
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
 from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.framework import CycleState, Decision
@@ -74,6 +86,12 @@ CONFIGS = {
     "heavy (2 filters, 5 scorers, LoRA request)": (HEAVY_PICKER_CONFIG, "a3", 0),
 }
 """label → (picker config, LoRA adapter of the request, replicas that hold its prompt)."""
+
+ROUTING_ROWS = {
+    "routing, 1.5 kB prompt sent again": False,
+    "routing, 1.5 kB prompt new each time": True,
+}
+"""`--routing` rows: label → whether each request's prompt is new to the pool."""
 
 
 def _request(lora: str | None) -> LLMRequest:
@@ -134,6 +152,76 @@ def run(
     return samples
 
 
+CONCURRENCY = 16
+"""`--routing`: requests in flight at once, as in the gateway-overhead bench's `-c 16`; each
+decision's request completes when the 17th after it is routed (first in, first out)."""
+
+
+def run_routing(
+    n: int, endpoints: int, seed: int, clock: str = "wall", fresh: bool = False
+) -> list[float]:
+    """The gateway's per-request routing work around one default-profile decision, timed
+    together (the Director's calls, in its order, without its I/O and its own metrics)."""
+    from servegate.gateway.cache_routing import CacheRouting
+    from servegate.gateway.metrics import GatewayMetrics
+    from servegate.gateway.ui import DecisionLog
+    from servegate.scheduling.affinity import ResponseHeaders
+
+    rng = random.Random(seed)
+    scheduler = load_picker_config(DEFAULT_PICKER_CONFIG, PluginContext(staleness_s=2.0))
+    states = random_endpoint_states(endpoints, rng, now=100.0)
+    for s in states:  # only this bench's own requests in flight (the gateway's counters)
+        s.in_flight_requests = s.in_flight_tokens = 0
+    in_flight: deque[tuple[EndpointState, int]] = deque()
+    metrics = GatewayMetrics()
+    decisions = DecisionLog()
+    headers = tuple(p for p in scheduler.plugins.values() if isinstance(p, ResponseHeaders))
+    routing = CacheRouting(header_plugins=headers)
+    text = "You are a helpful assistant. Summarise the following text. " + "lorem ipsum " * 120
+    cycle_rng = random.Random(seed + 1)
+    perf = time.perf_counter_ns if clock == "wall" else time.thread_time_ns
+    samples: list[float] = []
+    for i in range(n + n // 10):
+        prompt = f"{i} {text}" if fresh else text
+        request = LLMRequest(
+            request_id=f"r{i}",
+            kind=RequestKind.CHAT,
+            model="base",
+            target_model="base",
+            base_model="base",
+            prompt=prompt,
+            messages=[{"role": "user", "content": prompt}],
+            prompt_tokens=len(prompt) // 4,
+            max_tokens=64,
+        )
+        extra: dict[str, str] = {}
+        now = 100.0 + i * 1e-3
+        t0 = perf()
+        prepare = routing.prepare(request, states)
+        try:
+            prepare.send(None)
+        except StopIteration:
+            pass
+        cycle = CycleState(now=now, rng=cycle_rng)
+        decision = scheduler.schedule(request, states, cycle)
+        metrics.observe_pick("pool", decision)
+        scheduler.pre_request(request, decision, now)
+        decisions.record("pool", request, decision, now)
+        routing.headers(request, decision, extra)
+        elapsed = perf() - t0
+        if i >= n // 10:  # warm-up excluded
+            samples.append(elapsed / 1000.0)
+        picked = decision.endpoint
+        picked.in_flight_requests += 1
+        picked.in_flight_tokens += request.prompt_tokens
+        in_flight.append((picked, request.prompt_tokens))
+        if len(in_flight) > CONCURRENCY:  # the oldest request completes
+            done, tokens = in_flight.popleft()
+            done.in_flight_requests -= 1
+            done.in_flight_tokens -= tokens
+    return samples
+
+
 def _quantiles(samples: list[float]) -> tuple[float, float, float, float]:
     q = statistics.quantiles(sorted(samples), n=100)
     return q[49], q[89], q[98], statistics.fmean(samples)
@@ -159,6 +247,8 @@ def _in_process(
     ]
     if exhaustive:
         cmd.append("--exhaustive")
+    if args.routing:
+        cmd.append("--routing")
     env = {**os.environ, "PYTHONPATH": str(src)}
     done = subprocess.run(cmd, env=env, check=False, capture_output=True, text=True)
     if done.returncode != 0:
@@ -193,9 +283,18 @@ def main(argv: list[str] | None = None) -> int:
         default="this,against",
         help="with --against: names of this checkout and the other in the plot",
     )
+    parser.add_argument(
+        "--routing",
+        action="store_true",
+        help="time the whole per-request routing work (1.5 kB prompt) instead of one decision",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = [int(x) for x in str(args.endpoints).split(",")]
+    if args.worker and args.routing:
+        fresh = ROUTING_ROWS[args.worker]
+        print(json.dumps(_quantiles(run_routing(args.n, sizes[0], args.seed, args.clock, fresh))))
+        return 0
     if args.worker:
         config, lora, warm = CONFIGS[args.worker]
         samples = run(config, lora, args.n, sizes[0], args.seed, args.exhaustive, args.clock, warm)
@@ -203,12 +302,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(
         f"python {platform.python_version()} on {platform.machine()}; "
-        f"{args.n} decisions each, 8k-token prompt, {args.clock} clock"
+        f"{args.n} decisions each, "
+        f"{'1.5 kB' if args.routing else '8k-token'} prompt, {args.clock} clock"
     )
     modes = [False, True] if args.exhaustive else [False]
     p50: dict[str, list[float]] = {}
     if args.against is not None:
         _compare(args, sizes, modes, p50)
+    elif args.routing:
+        for size in sizes:
+            for label, fresh in ROUTING_ROWS.items():
+                q50, q90, q99, mean = _quantiles(
+                    run_routing(args.n, size, args.seed, args.clock, fresh)
+                )
+                p50.setdefault(label, []).append(q50)
+                print(
+                    f"{size:5d} ep  {label:57s} p50 {q50:7.1f} µs   p90 {q90:7.1f} µs"
+                    f"   p99 {q99:7.1f} µs   mean {mean:7.1f} µs"
+                )
     else:
         for size in sizes:
             for label, (config, lora, warm) in CONFIGS.items():
@@ -224,7 +335,13 @@ def main(argv: list[str] | None = None) -> int:
                         f"   p99 {q99:7.1f} µs   mean {mean:7.1f} µs"
                     )
     if args.plot:
-        _plot(args.plot, sizes, p50, str(args.labels).split(",") if args.against else [])
+        _plot(
+            args.plot,
+            sizes,
+            p50,
+            str(args.labels).split(",") if args.against else [],
+            "The per-request routing work" if args.routing else "One scheduling decision",
+        )
     return 0
 
 
@@ -247,8 +364,9 @@ def _compare(
     there = args.against.resolve() / "src"
     this_label, that_label = str(args.labels).split(",")
     print(f"this checkout: {here}\nagainst:       {there}  ({args.rounds} rounds)")
+    labels = list(ROUTING_ROWS) if args.routing else list(CONFIGS)
     for size in sizes:
-        for label in CONFIGS:
+        for label in labels:
             for exhaustive in modes:
                 row = f"{label}{' exhaustive' if exhaustive else ''}"
                 ours: list[float] = []
@@ -272,7 +390,13 @@ def _compare(
                 print(_side_by_side(f"{'':9s}{'':57s} mean", their_means, our_means, mb / ma))
 
 
-def _plot(path: str, sizes: list[int], p50: dict[str, list[float]], labels: list[str]) -> None:
+def _plot(
+    path: str,
+    sizes: list[int],
+    p50: dict[str, list[float]],
+    labels: list[str],
+    what: str = "One scheduling decision",
+) -> None:
     """One line per row; a row's checkouts (`labels`: this, against) and its exhaustive
     variant share a colour; the other checkout is dashed, exhaustive scoring dotted."""
     import matplotlib
@@ -300,8 +424,8 @@ def _plot(path: str, sizes: list[int], p50: dict[str, list[float]], labels: list
     if any("exhaustive" in row for row in p50):
         ax.set_yscale("log")  # exhaustive scoring grows linearly, to milliseconds
     ax.set_xlabel("endpoints in the pool")
-    ax.set_ylabel("p50 decision time (µs)")
-    ax.set_title("One scheduling decision against pool size (bench/bench_scheduler.py)")
+    ax.set_ylabel("p50 time (µs)")
+    ax.set_title(f"{what} against pool size (bench/bench_scheduler.py)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

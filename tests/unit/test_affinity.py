@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import pytest
 
 from servegate.pool.endpoint import Endpoint, EndpointState
+from servegate.scheduling import affinity
 from servegate.scheduling.affinity import NoHitLRUScorer, PrefixCacheAffinityFilter
 from servegate.scheduling.config import PickerConfigError, load_picker_config
 from servegate.scheduling.factory import PluginContext, PluginParameterError
@@ -367,3 +368,47 @@ def test_the_default_spreads_new_prefixes_over_idle_replicas() -> None:
         scheduler.pre_request(request, decision, 10.0)
         placed[decision.endpoint.address] = placed.get(decision.endpoint.address, 0) + 1
     assert placed == {"e0:1": 3, "e1:1": 3, "e2:1": 3}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_small_pool_gets_the_verdict_the_list_wise_code_gives(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pools up to SPLIT_LOOP_LIMIT take the verdict in one pass; forced through the
+    list-wise code, every random pool (loads, matches with NaN and above-1 scores, guard
+    parameters) keeps the same endpoints, in the same order, with the same outcome."""
+    rng = random.Random(seed)
+    outcomes: set[str] = set()
+    small = affinity.SPLIT_LOOP_LIMIT
+    for _ in range(300):
+        n = rng.randint(2, small)
+        loads = [(rng.randint(0, 12), rng.choice([0, rng.randint(0, 400_000)])) for _ in range(n)]
+        pool = eps(*loads)
+        scores = {
+            s.address: rng.choice([0.0, 0.5, 0.79, 0.8, 0.95, 1.0, 1.2, float("nan")]) for s in pool
+        }
+        params: dict[str, Any] = {
+            "maxInFlightRequestsDelta": rng.choice([0, 1, 3]),
+            "maxTTFTPenaltyMs": rng.choice([1.0, 500.0, 18000.0]),
+            "maxTokensInFlightPenalty": rng.choice([0, 0, 50_000]),
+        }
+        request = req(rng.choice([10, 1000, 100_000]))
+        verdicts = []
+        for limit in (small, 0):
+            monkeypatch.setattr(affinity, "SPLIT_LOOP_LIMIT", limit)
+            flt = affinity_filter(scores, **params)
+            kept = flt.filter(cycle(), request, pool)
+            verdicts.append((names(kept), dict(flt.decisions)))
+        assert verdicts[0] == verdicts[1]
+        outcomes.update(verdicts[0][1])
+    assert {"sticky", "load-override", "request-load-override", "no-match"} <= outcomes
+
+
+@pytest.mark.parametrize("n", [2, 12])
+def test_a_nan_match_first_is_no_match_not_an_error(n: int) -> None:
+    """`max` keeps a leading NaN, so the threshold test passed with nothing sticky and the
+    load guards took the least of no loads (ValueError)."""
+    pool = eps(*[(1, 100)] * n)
+    flt = affinity_filter({pool[0].address: float("nan"), pool[1].address: 0.5})
+    assert flt.filter(cycle(), req(), pool) == pool
+    assert flt.decisions == {"no-match": 1}

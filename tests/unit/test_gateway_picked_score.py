@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import random
+
 from servegate.gateway.metrics import GatewayMetrics
 from servegate.pool.endpoint import Endpoint, EndpointState
-from servegate.scheduling.framework import Decision, ProfileResult
+from servegate.scheduling.framework import (
+    CycleState,
+    Decision,
+    ProfileResult,
+    SchedulerProfile,
+    WeightedScorer,
+)
+from servegate.scheduling.pickers import MaxScorePicker
+from servegate.scheduling.profiles import SingleProfileHandler
+from servegate.scheduling.request import LLMRequest, RequestKind
+from servegate.scheduling.scheduler import Scheduler, ScoreTable
+from servegate.scheduling.scorers import ActiveRequestScorer, KVCacheUtilizationScorer, QueueScorer
+from servegate.testing.endpoints import random_endpoint_states
 
 A, B = (EndpointState(Endpoint(address=f"10.0.0.{i}:8000", url="http://x")) for i in (1, 2))
 
@@ -35,3 +49,33 @@ def test_a_decision_without_its_profiles_result_records_nothing() -> None:
     metrics = GatewayMetrics(lambda: [])
     metrics.observe_pick("pool-a", Decision(endpoint=A, fallbacks=[], profile="other"))
     assert sample(metrics, "count", "prefix-cache-scorer") is None
+
+
+def test_a_schedulers_score_table_records_what_its_rows_say() -> None:
+    """The scheduler's lazy score table is read by position, not through its address rows;
+    the histograms must hold what the rows would have given."""
+    pool = random_endpoint_states(6, random.Random(3))
+    scorers = [QueueScorer(), KVCacheUtilizationScorer(), ActiveRequestScorer()]
+    profile = SchedulerProfile(
+        "default",
+        [],
+        [WeightedScorer(s, w) for s, w in zip(scorers, (2.0, 1.5, 1.0), strict=True)],
+        MaxScorePicker(),
+    )
+    scheduler = Scheduler({"default": profile}, SingleProfileHandler(), {})
+    fast, by_rows = GatewayMetrics(lambda: []), GatewayMetrics(lambda: [])
+    request = LLMRequest("r", RequestKind.CHAT, "m", "m", "m")
+    for seed in range(20):
+        pool[seed % 6].in_flight_requests += 1
+        decision = scheduler.schedule(request, pool, CycleState(50.0, random.Random(seed)))
+        result = decision.results["default"]
+        assert isinstance(result.scores, ScoreTable)
+        fast.observe_pick("pool-a", decision)
+        rows = {a: dict(row) for a, row in result.scores.items()}
+        copy = ProfileResult(ranked=result.ranked, scores=rows, totals={})
+        by_rows.observe_pick("pool-a", Decision(decision.endpoint, [], results={"default": copy}))
+    for scorer in scorers:
+        for suffix in ("count", "sum"):
+            assert sample(fast, suffix, scorer.name) == sample(by_rows, suffix, scorer.name)
+    assert fast.render() == by_rows.render()
+    assert sample(fast, "count", "queue-scorer") == 20

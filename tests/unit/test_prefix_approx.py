@@ -350,3 +350,52 @@ def test_cold_placement_applies_only_when_nothing_matches(
     if sent is not None:
         scorer.pre_request(request(sent), Decision(endpoint=a, fallbacks=[b]), 0.0)
     assert list(scorer.score(cycle(), request("s" * 256), [a, b])) == expected
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_chain_sent_again_to_the_same_replica_leaves_its_lru_as_a_walk_would(
+    seed: int,
+) -> None:
+    """Re-inserting the chain a replica's LRU was last given, with nothing inserted there
+    since, skips the walk (its keys are already the newest, in order); each LRU's order,
+    and so what later evictions drop, stays that of the per-replica model."""
+    rng = random.Random(seed)
+    capacity = rng.randint(6, 30)
+    index = ApproxPrefixIndex(capacity)
+    model = LruModel(capacity)
+    chains = random_chains(rng, stems=3, longest=10, count=8)
+    addresses = ["r0", "r1"]
+    last: dict[str, list[int]] = {}
+    for _ in range(300):
+        address = rng.choice(addresses)
+        chain = last[address] if address in last and rng.random() < 0.6 else rng.choice(chains)
+        last[address] = chain
+        index.insert(address, list(chain), chained=True)
+        model.insert(address, chain)
+        for a, lru in index._servers.items():
+            assert list(lru.keys) == list(model.lrus[a])
+        for asked in chains:
+            expected = {a: model.held(a, asked) for a in addresses}
+            assert index.match_lengths(list(asked), addresses, chained=True) == expected
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_reverse_map_names_exactly_the_replicas_whose_lru_holds_each_key(seed: int) -> None:
+    """Keys held alone share their replica's one frozenset, keys held by several get a set;
+    through insertions, evictions and removed replicas the map stays exact."""
+    rng = random.Random(seed)
+    index = ApproxPrefixIndex(rng.randint(5, 20))
+    chains = random_chains(rng, stems=3, longest=8, count=10)
+    addresses = [f"r{i}" for i in range(4)]
+    for step in range(300):
+        if step % 50 == 49:
+            index.remove_server(rng.choice(addresses))
+        index.insert(rng.choice(addresses), list(rng.choice(chains)), chained=True)
+        expected: dict[int, set[str]] = {}
+        for address, lru in index._servers.items():
+            for key in lru.keys:
+                expected.setdefault(key, set()).add(address)
+        assert {k: set(v) for k, v in index._where.items()} == expected
+    shared = [v for v in index._where.values() if len(v) > 1]
+    alone = [v for v in index._where.values() if isinstance(v, frozenset)]
+    assert shared and alone

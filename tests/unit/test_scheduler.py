@@ -26,11 +26,14 @@ from servegate.scheduling.pickers import MaxScorePicker
 from servegate.scheduling.profiles import SingleProfileHandler
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.scheduling.scheduler import (
+    FUSED_LIMIT,
     Scheduler,
     ScoreTable,
     TotalsView,
+    add_weighted,
     clamp,
     result_as_dict,
+    weighted_totals,
 )
 from servegate.scheduling.scorers import QueueScorer
 from servegate.testing.endpoints import addresses, endpoint_state
@@ -190,6 +193,25 @@ def test_scorer_with_wrong_length_is_an_error_naming_it() -> None:
         scheduler.schedule(REQUEST, pool(3), cycle())
 
 
+@pytest.mark.parametrize("size", [3, FUSED_LIMIT + 2])
+@pytest.mark.parametrize(
+    ("first", "second", "named"),
+    [
+        pytest.param(None, [0.5], "second", id="one-short"),
+        pytest.param([0.5], [0.5], "first", id="both-short-alike"),
+    ],
+)
+def test_a_wrong_length_names_the_scorer_in_small_and_large_pools(
+    size: int, first: list[float] | None, second: list[float], named: str
+) -> None:
+    scheduler = single(
+        WeightedScorer(Fixed("first", first or [0.5] * size), 1.0),
+        WeightedScorer(Fixed("second", second), 1.0),
+    )
+    with pytest.raises(ValueError, match=f"scorer '{named}' returned"):
+        scheduler.schedule(REQUEST, pool(size), cycle())
+
+
 def test_schedule_does_not_touch_its_inputs() -> None:
     eps = pool(3)
     before = [(s.metrics, s.in_flight_requests, s.picks) for s in eps]
@@ -200,7 +222,10 @@ def test_schedule_does_not_touch_its_inputs() -> None:
 
 
 def test_stats_count_calls_and_time_per_plugin() -> None:
-    scheduler = single(WeightedScorer(QueueScorer(), 1.0))
+    profile = SchedulerProfile(
+        "default", [], [WeightedScorer(QueueScorer(), 1.0)], MaxScorePicker()
+    )
+    scheduler = Scheduler({"default": profile}, SingleProfileHandler(), {}, timing_every=1)
     for seed in range(3):
         scheduler.schedule(REQUEST, pool(4), cycle(seed))
     stats = scheduler.stats
@@ -216,18 +241,73 @@ def test_stats_count_calls_and_time_per_plugin() -> None:
     assert all(sum(t.counts) == t.calls for t in stats.plugins.values())
 
 
+def test_plugins_are_timed_on_one_cycle_in_timing_every_each_counting_for_that_many() -> None:
+    scheduler = single(WeightedScorer(QueueScorer(), 1.0))
+    assert scheduler.timing_every == 16
+    stats = scheduler.stats
+    scorer = stats.plugins[("Scorer", "queue-scorer")]
+    scheduler.schedule(REQUEST, pool(4), cycle(0))  # the first cycle is timed
+    assert scorer.calls == 16 and sum(scorer.counts) == 16 and scorer.total_ns > 0
+    first_ns = scorer.total_ns
+    for seed in range(1, 16):  # cycles 2..16 are not
+        scheduler.schedule(REQUEST, pool(4), cycle(seed))
+    assert scorer.calls == 16 and scorer.total_ns == first_ns
+    scheduler.schedule(REQUEST, pool(4), cycle(16))  # cycle 17 is
+    assert stats.cycles == 17
+    assert scorer.calls == 32
+    assert stats.plugins[("Picker", "max-score-picker")].calls == 32
+    assert stats.plugins[("ProfilePicker", "single-profile-handler")].calls == 64  # pick, again
+    assert stats.plugins[("ProcessProfilesResults", "single-profile-handler")].calls == 32
+    assert all(sum(t.counts) == t.calls for t in stats.plugins.values())
+
+
+def test_untimed_cycles_decide_as_timed_ones() -> None:
+    """Untimed cycles of a single-profile handler skip asking it; the decision is the same."""
+    eps = pool(6)
+    for i, s in enumerate(eps):
+        s.metrics.waiting = float((i * 7) % 4)
+    profile = SchedulerProfile(
+        "only",
+        [DecodeFilter()],
+        [WeightedScorer(QueueScorer(), 2.0), WeightedScorer(Fixed("f", [0.3, 1.0] * 3), 1.0)],
+        MaxScorePicker(),
+    )
+    timed = Scheduler({"only": profile}, SingleProfileHandler(), {}, timing_every=1)
+    untimed = Scheduler({"only": profile}, SingleProfileHandler(), {}, timing_every=1000)
+    untimed.schedule(REQUEST, eps, cycle())  # its one timed cycle
+    for seed in range(20):
+        a = timed.schedule(REQUEST, eps, cycle(seed))
+        b = untimed.schedule(REQUEST, eps, cycle(seed))
+        assert (a.endpoint, a.fallbacks, a.profile) == (b.endpoint, b.fallbacks, b.profile)
+        assert result_as_dict(a.results["only"]) == result_as_dict(b.results["only"])
+    assert untimed.stats.plugins[("ProfilePicker", "single-profile-handler")].calls == 2000
+    drop = SchedulerProfile("only", [DropAll()], [], MaxScorePicker())
+    for every in (1, 1000):
+        scheduler = Scheduler({"only": drop}, SingleProfileHandler(), {}, timing_every=every)
+        for _ in range(2):
+            with pytest.raises(NoCandidates, match=r"profiles \(only\)"):
+                scheduler.schedule(REQUEST, eps, cycle())
+        assert scheduler.stats.no_candidates == 2
+
+
 def test_hooks_reach_every_plugin_that_implements_them() -> None:
     recorder = Recorder()
     profile = SchedulerProfile("default", [], [], MaxScorePicker())
     scheduler = Scheduler({"default": profile}, SingleProfileHandler(), {"recorder": recorder})
     eps = pool(1)
-    decision = scheduler.schedule(REQUEST, eps, cycle())
-    scheduler.pre_request(REQUEST, decision, 51.0)
-    scheduler.response_complete(REQUEST, decision.endpoint, 52.0)
-    assert recorder.calls == [("pre", eps[0].address, 51.0), ("done", eps[0].address, 52.0)]
+    for now in (51.0, 53.0):
+        decision = scheduler.schedule(REQUEST, eps, cycle())
+        scheduler.pre_request(REQUEST, decision, now)
+        scheduler.response_complete(REQUEST, decision.endpoint, now + 1.0)
+    assert recorder.calls == [
+        ("pre", eps[0].address, 51.0),
+        ("done", eps[0].address, 52.0),
+        ("pre", eps[0].address, 53.0),
+        ("done", eps[0].address, 54.0),
+    ]
     hooks = scheduler.stats.hooks
-    assert hooks[("PreRequest", "recorder")].calls == 1
-    assert hooks[("ResponseComplete", "recorder")].calls == 1
+    assert hooks[("PreRequest", "recorder")].calls == 16  # the first call, timed, counts for 16
+    assert hooks[("ResponseComplete", "recorder")].calls == 16
 
 
 def test_result_views_behave_like_read_only_mappings() -> None:
@@ -424,3 +504,45 @@ def test_to_dict_matches_row_reads() -> None:
     assert result.scores.to_dict() == {a: dict(result.scores[a]) for a in result.scores}
     unscored = single().schedule(REQUEST, eps, cycle()).results["default"]
     assert unscored.scores == {address: {} for address in addresses(3)}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    columns=st.lists(
+        st.one_of(
+            st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=5, max_size=5),
+            st.sampled_from([0.0, 0.5, 1.0, NAN, 2.0]).map(lambda x: [x] * 5),
+        ),
+        min_size=0,
+        max_size=7,
+    ),
+    weights=st.lists(st.floats(min_value=0.0, max_value=10.0), min_size=7, max_size=7),
+)
+def test_small_pool_sums_equal_the_column_by_column_sums(
+    columns: list[list[float]], weights: list[float]
+) -> None:
+    """`weighted_totals` (pools up to FUSED_LIMIT) adds in the same order as `add_weighted`:
+    the same floats, so the same ranking and reported totals."""
+    by_column: list[float] | None = None
+    for column, w in zip(columns, weights, strict=False):
+        by_column = add_weighted(by_column, column, w)
+    fused = weighted_totals(columns, weights[: len(columns)])
+    if by_column is None:
+        assert fused == []
+    else:
+        assert fused == by_column
+
+
+def test_small_and_large_pools_rank_and_total_alike() -> None:
+    """A pool of FUSED_LIMIT endpoints is summed endpoint by endpoint, one more column by
+    column; on the same endpoints both give the same totals and ranking."""
+    columns = [[0.3, NAN, 1.5, 0.0, 0.7, 0.2, 0.9, 0.4, 0.1], [0.5] * 9, [1.0, 0.2] * 4 + [0.6]]
+    eps = pool(FUSED_LIMIT + 1)
+    scorers = [
+        WeightedScorer(Fixed(f"s{i}", c), w)
+        for i, (c, w) in enumerate(zip(columns, (3.0, 1.0, 2.0), strict=True))
+    ]
+    small = single(*scorers).schedule(REQUEST, eps[:FUSED_LIMIT], cycle(4)).results["default"]
+    large = single(*scorers).schedule(REQUEST, eps, cycle(4)).results["default"]
+    for s in eps[:FUSED_LIMIT]:
+        assert small.totals[s.address] == large.totals[s.address]

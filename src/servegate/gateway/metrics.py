@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -39,6 +40,7 @@ from prometheus_client.utils import floatToGoString as _go_float
 
 from servegate import __version__
 from servegate.gateway.histogram import TPOT_BUCKETS, Buckets
+from servegate.scheduling.scheduler import ScoreTable
 
 if TYPE_CHECKING:
     from servegate.gateway.access_log import AccessRecord
@@ -610,6 +612,8 @@ class GatewayMetrics:
         self._attempt_children: dict[tuple[str, str], Value] = {}
         self._error_children: dict[tuple[str, str, str, str, str], Value] = {}
         self._score_children: dict[tuple[str, str], Buckets] = {}
+        self._score_rows: dict[tuple[str, int], tuple[list[str], list[Buckets]]] = {}
+        """(pool, id of a profile's scorer names) → the names and their children, in order."""
 
     def observe_pick(self, pool: str, decision: Decision) -> None:
         """Record the picked endpoint's per-scorer scores in its profile (the dashboard's
@@ -617,15 +621,32 @@ class GatewayMetrics:
         result = decision.results.get(decision.profile)
         if result is None:
             return
-        row = result.scores.get(decision.endpoint.endpoint.address)
+        scores = result.scores
+        if isinstance(scores, ScoreTable):  # the scheduler's: its row and children, by list
+            values = scores.weighted_row(decision.endpoint)
+            if not values:
+                return
+            names = scores.names
+            key = (pool, id(names))
+            held = self._score_rows.get(key)
+            if held is None or held[0] is not names:  # (holding `names` keeps its id unique)
+                held = self._score_rows[key] = (names, [self._score_child(pool, n) for n in names])
+            for child, value in zip(held[1], values, strict=True):
+                child.counts[bisect_left(child.bounds, value)] += 1
+                child.sum += value
+            return
+        row = scores.get(decision.endpoint.endpoint.address)
         if not row:
             return
-        children = self._score_children
         for scorer, value in row.items():
-            child = children.get((pool, scorer))
-            if child is None:
-                child = children[(pool, scorer)] = self.picked_score.histogram(pool, scorer)
-            child.observe(value)
+            self._score_child(pool, scorer).observe(value)
+
+    def _score_child(self, pool: str, scorer: str) -> Buckets:
+        children = self._score_children
+        child = children.get((pool, scorer))
+        if child is None:
+            child = children[(pool, scorer)] = self.picked_score.histogram(pool, scorer)
+        return child
 
     def watch(self, pools: Callable[[], Iterable[Pool]]) -> None:
         """Export the gauges of the pools `pools()` returns at each scrape."""

@@ -178,11 +178,14 @@ class PrefixCacheAffinityFilter:
         if max(scores) < threshold:
             self._count("no-match")
             return endpoints
-        held = [score >= threshold for score in scores]
-        sticky = list(compress(endpoints, held))
-        sticky_scores = list(compress(scores, held))
-        others = list(compress(endpoints, map(not_, held)))
-        other_scores = list(compress(scores, map(not_, held)))
+        if len(endpoints) <= SPLIT_LOOP_LIMIT:
+            outcome, kept = self._small_pool(request, endpoints, scores)
+            self._count(outcome)
+            return kept
+        sticky, sticky_scores, others, other_scores = _split(endpoints, scores, threshold)
+        if not sticky:  # a NaN score first made `max` say otherwise
+            self._count("no-match")
+            return endpoints
         if not others:
             self._count("sticky")
             return sticky
@@ -235,6 +238,109 @@ class PrefixCacheAffinityFilter:
                     return [*sticky, *within]
         self._count("sticky")
         return sticky
+
+    def _small_pool(
+        self, request: LLMRequest, endpoints: list[EndpointState], scores: Sequence[float]
+    ) -> tuple[str, list[EndpointState]]:
+        """`filter`'s verdict after a match (outcome, endpoints kept) in a small pool, from
+        one pass that splits the endpoints and takes the least and greatest loads the
+        guards compare: the same expressions, in the same order, as the list-wise code
+        for a large pool, without a list per quantity."""
+        p = self.params
+        threshold = p.affinity_threshold
+        throughput = p.peak_prefill_throughput
+        prompt = request.prompt_tokens
+        sticky: list[EndpointState] = []
+        others: list[EndpointState] = []
+        other_scores: list[float] = []
+        sticky_tokens = other_tokens = most_other_tokens = 0
+        sticky_requests = other_requests = 0
+        best = least = 0.0
+        for state, x in zip(endpoints, scores, strict=True):
+            tokens = state.in_flight_tokens
+            requests = state.in_flight_requests
+            if x >= threshold:
+                ttft = (
+                    tokens / throughput * 1000.0
+                    + (1.0 - (x if x < 1.0 else 1.0)) * prompt / throughput * 1000.0
+                )
+                if not sticky:
+                    sticky_tokens, sticky_requests, best = tokens, requests, ttft
+                else:
+                    if tokens < sticky_tokens:
+                        sticky_tokens = tokens
+                    if requests < sticky_requests:
+                        sticky_requests = requests
+                    if ttft < best:
+                        best = ttft
+                sticky.append(state)
+            else:
+                if not others:
+                    other_tokens = most_other_tokens = tokens
+                    other_requests, least = requests, x
+                else:
+                    if tokens < other_tokens:
+                        other_tokens = tokens
+                    if tokens > most_other_tokens:
+                        most_other_tokens = tokens
+                    if requests < other_requests:
+                        other_requests = requests
+                    if x < least:
+                        least = x
+                others.append(state)
+                other_scores.append(x)
+        if not sticky:  # a NaN score first made `max` say otherwise
+            return "no-match", endpoints
+        if not others:
+            return "sticky", sticky
+        token_penalty = p.max_tokens_in_flight_penalty
+        if token_penalty > 0 and sticky_tokens - other_tokens > token_penalty:
+            return "token-load-override", endpoints
+        if p.max_ttft_penalty_ms > 0:
+            best_sticky = sticky_tokens / throughput * 1000.0
+            best_other = other_tokens / throughput * 1000.0
+            if best_sticky - best_other > p.max_ttft_penalty_ms:
+                return "load-override", endpoints
+        if p.max_in_flight_requests_delta > 0:
+            slowest = (
+                most_other_tokens / throughput * 1000.0
+                + (1.0 - (least if least < 1.0 else 1.0)) * prompt / throughput * 1000.0
+            )
+            if least == least and slowest - best <= p.max_ttft_penalty_ms:
+                within, least_within = others, other_requests
+            else:
+                within = [
+                    s
+                    for s, x in zip(others, other_scores, strict=True)
+                    if s.in_flight_tokens / throughput * 1000.0
+                    + (1.0 - (x if x < 1.0 else 1.0)) * prompt / throughput * 1000.0
+                    - best
+                    <= p.max_ttft_penalty_ms
+                ]
+                least_within = min([s.in_flight_requests for s in within], default=0)
+            if within and sticky_requests - least_within > p.max_in_flight_requests_delta:
+                return "request-load-override", [*sticky, *within]
+        return "sticky", sticky
+
+
+SPLIT_LOOP_LIMIT = 8
+"""Up to this many endpoints the affinity filter takes its verdict in one Python pass
+(`_small_pool`); above, list by list (`compress` over a mask and `min`/`max`, in C, beat
+one Python pass over a large pool)."""
+
+
+def _split(
+    endpoints: list[EndpointState], scores: Sequence[float], threshold: float
+) -> tuple[list[EndpointState], list[float], list[EndpointState], list[float]]:
+    """The endpoints scoring at least `threshold` and the others, each with their scores,
+    in the endpoints' order."""
+    held = [score >= threshold for score in scores]
+    return (
+        list(compress(endpoints, held)),
+        list(compress(scores, held)),
+        list(compress(endpoints, map(not_, held))),
+        list(compress(scores, map(not_, held))),
+    )
 
 
 # -- no-hit-lru-scorer ---------------------------------------------------------------------

@@ -4,7 +4,10 @@ Per profile: filters in order, then every scorer; each score is clamped to
 [0, 1] (NaN → 0) and multiplied by the scorer's weight; the weighted columns
 are summed and the picker ranks the endpoints. `schedule` is pure: no I/O, no
 clock reads for decisions (time is `cycle.now`, randomness `cycle.rng`).
-`time.perf_counter_ns` is read only to account time per plugin in `stats`.
+`time.perf_counter_ns` is read only to account time per plugin in `stats`, on one
+cycle (and one hook call) in `timing_every`: each timed call counts for `timing_every`
+calls in `PluginTiming`, so the exported histograms estimate every call's duration
+without a clock read and a bucket update per plugin per request.
 
 A pool larger than `exhaustive_limit` is scored on a shortlist, so one decision
 costs the same at 1,000 endpoints as at 100: the endpoints each `Shortlister`
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import random
 from bisect import bisect_left
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import filterfalse
 from math import gcd
@@ -48,7 +51,11 @@ from servegate.scheduling.framework import (
     Scorer,
     Shortlister,
 )
-from servegate.scheduling.profiles import ProfileSetCheck
+from servegate.scheduling.profiles import (
+    HeaderProfileHandler,
+    ProfileSetCheck,
+    SingleProfileHandler,
+)
 from servegate.scheduling.request import LLMRequest
 
 PLUGIN_BUCKETS_S = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
@@ -65,23 +72,33 @@ RESPONSE_COMPLETE = "ResponseComplete"
 """Extension point names, as llm-d labels `plugin_duration_seconds`."""
 
 
+TIMING_EVERY = 16
+"""The scheduler times one cycle (and one hook call) in this many; see `PluginTiming`."""
+
+
 @dataclass(slots=True)
 class PluginTiming:
-    """Time spent in one plugin at one extension point, for the gateway's exporter."""
+    """Time spent in one plugin at one extension point, for the gateway's exporter.
+
+    The scheduler times a sample of the calls (one cycle in `Scheduler.timing_every`),
+    each counting for `weight` calls, so `calls`, `total_ns` and `counts` estimate every
+    call's; they grow in steps of the weight.
+    """
 
     type: str = ""
     """The plugin's type, e.g. `prefix-cache-scorer`."""
     calls: int = 0
-    """How many times the plugin ran."""
+    """How many times the plugin ran (estimated: each timed call counts for its weight)."""
     total_ns: int = 0
-    """Cumulative wall time inside the plugin, in nanoseconds."""
+    """Cumulative wall time inside the plugin, in nanoseconds (estimated likewise)."""
     counts: list[int] = field(default_factory=lambda: [0] * (len(_BOUNDS_NS) + 1))
     """Calls per duration bucket (`PLUGIN_BUCKETS_S`, then +Inf); not cumulative."""
 
-    def add(self, ns: int) -> None:
-        self.calls += 1
-        self.total_ns += ns
-        self.counts[bisect_left(_BOUNDS_NS, ns)] += 1
+    def add(self, ns: int, weight: int = 1) -> None:
+        """One timed call of `ns` nanoseconds, standing for `weight` calls."""
+        self.calls += weight
+        self.total_ns += ns * weight
+        self.counts[bisect_left(_BOUNDS_NS, ns)] += weight
 
 
 @dataclass(slots=True)
@@ -144,6 +161,24 @@ class ScoreTable(Mapping[str, Mapping[str, float]]):
 
     def __len__(self) -> int:
         return len(self._endpoints)
+
+    @property
+    def names(self) -> list[str]:
+        """The scorers' names, in the profile's order (the same list for every cycle of a
+        profile: callers may key on its identity while they hold it)."""
+        return self._names
+
+    def weighted_row(self, state: EndpointState) -> list[float] | None:
+        """`state`'s weighted scores in `names` order, as `self[address]` gives them, without
+        an address index or a dict; None when `state` was not scored."""
+        try:
+            i = self._endpoints.index(state)  # by identity, in C
+        except ValueError:
+            return None
+        return [
+            w if (x := column[i]) >= 1.0 else (w * x if x > 0.0 else 0.0)
+            for w, column in zip(self._weights, self._raw, strict=True)
+        ]
 
     def to_dict(self) -> dict[str, dict[str, float]]:
         names = self._names
@@ -251,6 +286,10 @@ class _Plan:
 
     filters: tuple[_FilterStep, ...]
     scorers: tuple[_ScorerStep, ...]
+    score_calls: tuple[
+        Callable[[CycleState, LLMRequest, list[EndpointState]], Sequence[float]], ...
+    ]
+    """The scorers' bound `score` methods, in order."""
     names: list[str]
     weights: list[float]
     picker: Picker
@@ -280,16 +319,46 @@ def add_weighted(totals: list[float] | None, raw: Sequence[float], w: float) -> 
     ]
 
 
+FUSED_LIMIT = 8
+"""Up to this many scored endpoints, the weighted sum is taken endpoint by endpoint once
+every scorer has answered (`weighted_totals`) instead of column by column as each does
+(`add_weighted`): a Python pass per scorer costs more than the arithmetic in a small pool."""
+
+
+def weighted_totals(raws: Sequence[Sequence[float]], weights: Sequence[float]) -> list[float]:
+    """Per endpoint, `Σ w · clamp(raw)` over the scorers, added in scorer order: the same
+    floats as `add_weighted` column by column (which starts from the first weighted value;
+    `0.0 + v` is `v`), empty when there are no endpoints."""
+    out: list[float] = []
+    append = out.append
+    for row in zip(*raws, strict=True):
+        total = 0.0
+        for w, x in zip(weights, row, strict=True):
+            total += w if x >= 1.0 else (w * x if x > 0.0 else 0.0)
+        append(total)
+    return out
+
+
+def _wrong_length(plan: _Plan, raws: list[Sequence[float]], n: int) -> ValueError:
+    """The error for the first scorer that did not return one score per endpoint."""
+    scorer, raw = next((s, r) for s, r in zip(plan.scorers, raws, strict=True) if len(r) != n)
+    return ValueError(f"scorer {scorer.plugin.name!r} returned {len(raw)} scores for {n} endpoints")
+
+
 class Scheduler:
     """Runs `handler`'s profiles over the candidates; `plugins` are all configured plugins."""
 
     __slots__ = (
+        "_complete_calls",
         "_filter_memo",
         "_hooks_complete",
         "_hooks_pre",
         "_index",
         "_index_of",
+        "_phase",
         "_plans",
+        "_pre_calls",
+        "_single",
         "_timings",
         "exhaustive_limit",
         "handler",
@@ -298,6 +367,7 @@ class Scheduler:
         "profiles",
         "sample_size",
         "stats",
+        "timing_every",
         "warnings",
     )
 
@@ -310,11 +380,20 @@ class Scheduler:
         exhaustive_limit: int = EXHAUSTIVE_LIMIT,
         sample_size: int = SAMPLE_SIZE,
         hint_limit: int = HINT_LIMIT,
+        timing_every: int = TIMING_EVERY,
     ) -> None:
         if not profiles:
             raise ValueError("a scheduler needs at least one scheduling profile")
         if sample_size < 1 or exhaustive_limit < sample_size:
             raise ValueError("need 1 <= sample_size <= exhaustive_limit")
+        if timing_every < 1:
+            raise ValueError("timing_every must be >= 1 (1 = time every call)")
+        self.timing_every = timing_every
+        """Plugins are timed on one cycle (and one hook call) in this many, the first
+        included; each timed call counts for this many in `stats`."""
+        self._phase = 1 % timing_every
+        self._pre_calls = 0
+        self._complete_calls = 0
         self.exhaustive_limit = exhaustive_limit
         self.sample_size = sample_size
         self.hint_limit = hint_limit
@@ -341,6 +420,15 @@ class Scheduler:
         self._timings = self.stats.plugins
         self._plans = {name: self._plan(profile) for name, profile in self.profiles.items()}
         """Each profile resolved once (profiles are fixed once the scheduler is built)."""
+        self._single: tuple[str, SchedulerProfile] | None = None
+        """The one profile, when the handler is known to run it alone and to turn its
+        ranking into the decision (`only_result`): untimed cycles then run it without
+        asking the handler."""
+        if len(self.profiles) == 1 and type(handler) in (
+            SingleProfileHandler,
+            HeaderProfileHandler,
+        ):
+            self._single = next(iter(self.profiles.items()))
         hooks_pre = [p for p in self.plugins.values() if isinstance(p, PreRequest)]
         # plugins that read what the indexes held before this decision go first
         self._hooks_pre = sorted(
@@ -365,13 +453,37 @@ class Scheduler:
         if not candidates:
             stats.no_candidates += 1
             raise NoCandidates("no candidate endpoints")
+        every = self.timing_every
+        if stats.cycles % every != self._phase:
+            single = self._single
+            if single is not None:
+                # what the handler would do, without asking it: run the one profile, and
+                # its ranking is the decision (`only_result`)
+                name, profile = single
+                result = self._run_profile(profile, cycle, request, candidates, 0)
+                if result is None:
+                    stats.no_candidates += 1
+                    raise NoCandidates(f"no endpoint survived the scheduling profiles ({name})")
+                ranked = result.ranked
+                return Decision(
+                    endpoint=ranked[0], fallbacks=ranked[1:], profile=name, results={name: result}
+                )
+            every = 0
+        return self._schedule(request, candidates, cycle, every)
+
+    def _schedule(
+        self, request: LLMRequest, candidates: list[EndpointState], cycle: CycleState, weight: int
+    ) -> Decision:
+        """The handler's loop; plugins are timed when `weight` (each call counting for it)."""
+        stats = self.stats
         handler = self.handler
         profiles = self.profiles
         timing = self._timings[(PROFILE_PICKER, handler.name)]
         results: dict[str, ProfileResult | None] = {}
-        t0 = perf_counter_ns()
+        t0 = perf_counter_ns() if weight else 0
         names = handler.pick_profiles(cycle, request, profiles, results)
-        timing.add(perf_counter_ns() - t0)
+        if weight:
+            timing.add(perf_counter_ns() - t0, weight)
         while names:
             for name in names:
                 if name in results:
@@ -383,13 +495,15 @@ class Scheduler:
                     raise RuntimeError(
                         f"profile handler {handler.name!r} asked for unknown profile {name!r}"
                     )
-                results[name] = self._run_profile(profile, cycle, request, candidates)
-            t0 = perf_counter_ns()
+                results[name] = self._run_profile(profile, cycle, request, candidates, weight)
+            t0 = perf_counter_ns() if weight else 0
             names = handler.pick_profiles(cycle, request, profiles, results)
-            timing.add(perf_counter_ns() - t0)
-        t0 = perf_counter_ns()
+            if weight:
+                timing.add(perf_counter_ns() - t0, weight)
+        t0 = perf_counter_ns() if weight else 0
         decision = handler.process_results(cycle, request, results)
-        self._timings[(PROCESS_RESULTS, handler.name)].add(perf_counter_ns() - t0)
+        if weight:
+            self._timings[(PROCESS_RESULTS, handler.name)].add(perf_counter_ns() - t0, weight)
         if decision is None:
             stats.no_candidates += 1
             ran = ", ".join(results) or "none"
@@ -412,6 +526,7 @@ class Scheduler:
                 _ScorerStep(ws.scorer, timings[(SCORER, ws.scorer.name)], ws.weight)
                 for ws in profile.scorers
             ),
+            score_calls=tuple(ws.scorer.score for ws in profile.scorers),
             names=[ws.scorer.name for ws in profile.scorers],
             weights=[ws.weight for ws in profile.scorers],
             picker=profile.picker,
@@ -427,14 +542,16 @@ class Scheduler:
         cycle: CycleState,
         request: LLMRequest,
         candidates: list[EndpointState],
+        weight: int,
     ) -> ProfileResult | None:
+        """One profile's filters, scorers and picker; timed when `weight` is not 0."""
         plan = self._plans[profile.name]
         endpoints = candidates
         memo = self._filter_memo
         remembered: list[EndpointState] | None = None
         spare: list[EndpointState] = []
         """Endpoints a preference filter (`KEEPS_FALLBACKS`) removed: last-resort fallbacks."""
-        t0 = perf_counter_ns()
+        t0 = perf_counter_ns() if weight else 0
         for step in plan.filters:
             flt = step.plugin
             if step.prefers and len(endpoints) > self.exhaustive_limit:
@@ -461,9 +578,10 @@ class Scheduler:
                     spare = [*spare, *filterfalse(kept.__contains__, before)]
             else:
                 spare = []
-            t1 = perf_counter_ns()
-            step.timing.add(t1 - t0)
-            t0 = t1
+            if weight:
+                t1 = perf_counter_ns()
+                step.timing.add(t1 - t0, weight)
+                t0 = t1
             if not endpoints:
                 return None
         if len(endpoints) > self.exhaustive_limit:
@@ -471,24 +589,37 @@ class Scheduler:
         elif endpoints is candidates or endpoints is remembered:
             endpoints = list(endpoints)  # lists others hold are never handed to plugins
         n = len(endpoints)
-        raws: list[Sequence[float]] = []
-        totals: list[float] | None = None
-        for scoring in plan.scorers:
-            scorer = scoring.plugin
-            raw = scorer.score(cycle, request, endpoints)
-            if len(raw) != n:
-                raise ValueError(
-                    f"scorer {scorer.name!r} returned {len(raw)} scores for {n} endpoints"
-                )
-            totals = add_weighted(totals, raw, scoring.weight)
-            raws.append(raw)
-            t1 = perf_counter_ns()
-            scoring.timing.add(t1 - t0)
-            t0 = t1
-        if totals is None:
+        if weight:
+            raws: list[Sequence[float]] = []
+            for scoring in plan.scorers:
+                raw = scoring.plugin.score(cycle, request, endpoints)
+                raws.append(raw)
+                t1 = perf_counter_ns()
+                scoring.timing.add(t1 - t0, weight)
+                t0 = t1
+        else:
+            raws = [score(cycle, request, endpoints) for score in plan.score_calls]
+        if not raws:
             totals = [0.0] * n
+        elif n <= FUSED_LIMIT:
+            try:
+                totals = weighted_totals(raws, plan.weights)  # (unequal lengths: ValueError)
+            except ValueError:
+                totals = []
+            if len(totals) != n:
+                raise _wrong_length(plan, raws, n)
+        else:
+            if list(map(len, raws)).count(n) != len(raws):
+                raise _wrong_length(plan, raws, n)
+            weights = plan.weights
+            totals = add_weighted(None, raws[0], weights[0])
+            for raw, w in zip(raws[1:], weights[1:], strict=True):
+                totals = add_weighted(totals, raw, w)
+        if weight:
+            t0 = perf_counter_ns()  # the framework's sum: no plugin's time
         ranked = plan.picker.pick(cycle, request, endpoints, totals)
-        plan.picker_timing.add(perf_counter_ns() - t0)
+        if weight:
+            plan.picker_timing.add(perf_counter_ns() - t0, weight)
         if not ranked:
             return None
         if spare:
@@ -540,19 +671,31 @@ class Scheduler:
     # -- hooks the gateway calls around the request -----------------------------------
     def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None:
         """Tell every `PreRequest` plugin what was decided, before the request is sent."""
+        self._pre_calls += 1
+        every = self.timing_every
+        if self._pre_calls % every != self._phase:
+            for plugin in self._hooks_pre:
+                plugin.pre_request(request, decision, now)
+            return
         hooks = self.stats.hooks
         for plugin in self._hooks_pre:
             t0 = perf_counter_ns()
             plugin.pre_request(request, decision, now)
-            hooks[(PRE_REQUEST, plugin.name)].add(perf_counter_ns() - t0)
+            hooks[(PRE_REQUEST, plugin.name)].add(perf_counter_ns() - t0, every)
 
     def response_complete(self, request: LLMRequest, endpoint: EndpointState, now: float) -> None:
         """Tell every `ResponseComplete` plugin that `endpoint` finished serving `request`."""
+        self._complete_calls += 1
+        every = self.timing_every
+        if self._complete_calls % every != self._phase:
+            for plugin in self._hooks_complete:
+                plugin.response_complete(request, endpoint, now)
+            return
         hooks = self.stats.hooks
         for plugin in self._hooks_complete:
             t0 = perf_counter_ns()
             plugin.response_complete(request, endpoint, now)
-            hooks[(RESPONSE_COMPLETE, plugin.name)].add(perf_counter_ns() - t0)
+            hooks[(RESPONSE_COMPLETE, plugin.name)].add(perf_counter_ns() - t0, every)
 
     # -- introspection ---------------------------------------------------------------
     def describe(self) -> dict[str, Any]:

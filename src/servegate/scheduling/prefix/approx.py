@@ -74,6 +74,9 @@ class ScorerParameters(ApproxPrefixParameters):
 
 
 INDEX_FIELDS = frozenset(ApproxPrefixParameters.model_fields)
+SEEDS_KEPT = 1024
+"""Chain seeds a prefix scorer remembers (per model, adapter and scale-out key); past that
+it forgets them all and starts again (model names come from clients)."""
 CHAIN_RECORD_BLOCKS = 4096
 """Blocks of recently inserted chains an endpoint's LRU remembers whole (`ServerLRU.chains`):
 16 prompts of 256 blocks. A hash chain's record is a few counters; only a list that is
@@ -113,12 +116,20 @@ class ServerLRU:
             return  # (a chain longer than the LRU lost its first blocks while it went in)
         chains = self.chains
         last = keys[-1]
-        old = chains.pop(last, None)
-        if old is not None:
-            self.recorded -= old.length
-        kept = None if chained else list(keys)
-        chains[last] = _Chain(kept, n, self.touches, self.evictions, len(self.keys) - n)
-        self.recorded += n
+        old = chains.get(last)
+        if old is not None and chained and old.keys is None and old.length == n:
+            # the same hash chain again: its record, updated in place, becomes the newest
+            old.touches = self.touches
+            old.evictions = self.evictions
+            old.ahead = len(self.keys) - n
+            chains.move_to_end(last)
+        else:
+            if old is not None:
+                del chains[last]
+                self.recorded -= old.length
+            kept = None if chained else list(keys)
+            chains[last] = _Chain(kept, n, self.touches, self.evictions, len(self.keys) - n)
+            self.recorded += n
         while self.recorded > bound:
             self.recorded -= chains.popitem(last=False)[1].length
 
@@ -150,9 +161,10 @@ class ServerLRU:
         return chain.keys == list(keys[:n])
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class _Chain:
-    """One chain inserted whole into one endpoint's LRU, and the LRU's counters just after."""
+    """One chain inserted whole into one endpoint's LRU, and the LRU's counters just after
+    (updated in place when the same chain is inserted again with nothing in between)."""
 
     keys: list[int] | None
     """The chain's keys, kept only when it was not a hash chain (to compare key by key)."""
@@ -164,12 +176,20 @@ class _Chain:
 
 
 class ApproxPrefixIndex:
-    """Per-endpoint LRUs plus a reverse map key → endpoints, for one pass per prompt."""
+    """Per-endpoint LRUs plus a reverse map key → endpoints, for one pass per prompt.
+
+    A key one endpoint holds alone (most keys: a prompt's blocks go where it was routed)
+    maps to that endpoint's one shared `frozenset`, so recording a new block allocates no
+    set (and leaves the garbage collector no container per block to walk); a second
+    holder turns it into a set of its own.
+    """
 
     def __init__(self, default_capacity: int) -> None:
         self.default_capacity = default_capacity
         self._servers: dict[str, ServerLRU] = {}
-        self._where: dict[int, set[str]] = {}
+        self._where: dict[int, set[str] | frozenset[str]] = {}
+        self._alone: dict[str, frozenset[str]] = {}
+        """address → `frozenset({address})`, the holders of each key it holds alone."""
 
     def __len__(self) -> int:
         return sum(len(s.keys) for s in self._servers.values())
@@ -189,26 +209,46 @@ class ApproxPrefixIndex:
             lru = self._servers[address] = ServerLRU(capacity or self.default_capacity)
         elif capacity is not None:
             lru.capacity = capacity
-        where = self._where
         held = lru.keys
-        refresh = held.move_to_end
-        for key in keys:
-            if key in held:
-                refresh(key)  # held already, so `where` names this address for it
-                continue
-            held[key] = None
-            holders = where.get(key)
-            if holders is None:
-                where[key] = {address}
-            else:
-                holders.add(address)
-            if len(held) > lru.capacity:
-                evicted = held.popitem(last=False)[0]
-                gone = where.get(evicted)
-                if gone is not None:
-                    gone.discard(address)
-                    if not gone:
-                        del where[evicted]
+        again = lru.chains.get(keys[-1]) if chained and keys else None
+        if (
+            again is not None
+            and again.touches == lru.touches
+            and again.length == len(keys)
+            and again.keys is None
+        ):
+            # this chain was the last thing inserted here and nothing touched the LRU since:
+            # its keys are already the newest, in this order, so refreshing them would move
+            # nothing (the same prompt sent to the same replica again); counters as below
+            pass
+        else:
+            where = self._where
+            refresh = held.move_to_end
+            alone = self._alone.get(address)
+            if alone is None:
+                alone = self._alone[address] = frozenset((address,))
+            for key in keys:
+                if key in held:
+                    refresh(key)  # held already, so `where` names this address for it
+                    continue
+                held[key] = None
+                holders = where.get(key)
+                if holders is None:
+                    where[key] = alone
+                elif type(holders) is set:
+                    holders.add(address)
+                else:
+                    where[key] = {*holders, address}
+                if len(held) > lru.capacity:
+                    evicted = held.popitem(last=False)[0]
+                    gone = where.get(evicted)
+                    if gone is not None:
+                        if type(gone) is set:
+                            gone.discard(address)
+                            if not gone:
+                                del where[evicted]
+                        else:  # held alone, and by this address, which held it
+                            del where[evicted]
         if len(held) >= lru.capacity:
             lru.evictions += 1  # this call may have evicted: every eviction leaves it full
         lru.touches += len(keys)
@@ -218,12 +258,18 @@ class ApproxPrefixIndex:
         lru = self._servers.pop(address, None)
         if lru is None:
             return
+        self._alone.pop(address, None)
+        where = self._where
         for key in lru.keys:
-            holders = self._where.get(key)
-            if holders is not None:
+            holders = where.get(key)
+            if holders is None:
+                continue
+            if type(holders) is set:
                 holders.discard(address)
                 if not holders:
-                    del self._where[key]
+                    del where[key]
+            else:  # held alone, by this address
+                del where[key]
 
     def deepest_holders(self, keys: Sequence[int], limit: int) -> list[str]:
         """Up to `limit` endpoints holding the longest leading runs of `keys`, deepest first.
@@ -269,8 +315,9 @@ class ApproxPrefixIndex:
     ) -> dict[str, int]:
         """Leading blocks of `keys` (a hash chain when `chained`) each address holds.
 
-        Bisection finds a length `n` whose last block someone holds and whose next block
-        nobody does, so no match is longer. An address that had the first `n` blocks
+        Bisection (or, when someone holds the last block, the whole length) finds a length
+        `n` whose last block someone holds and whose next block nobody does, so no match is
+        longer. An address that had the first `n` blocks
         inserted as a chain, and cannot have lost any of them since
         (`ServerLRU.holds_whole`), matches exactly `n` without a walk: a prompt sent again
         to the replicas that hold it, or one that continues the conversation they were
@@ -286,12 +333,16 @@ class ApproxPrefixIndex:
         if not alive:
             return matched
         servers = self._servers
-        run = self._held_run(keys)
+        # someone holds the last block: no match is longer than all of it (the same prompt
+        # sent again), so no bisection; any `n` with this property gives the same matches
+        run = len(keys) if where.get(keys[-1]) else self._held_run(keys)
         whole = [a for a in alive if servers[a].holds_whole(keys, chained, run)]
         if whole:
             for address in whole:
                 matched[address] = run
             alive.difference_update(whole)
+            if not alive:  # every holder answered from its record: no walk
+                return matched
         depth = 1
         for key in keys[1:]:
             if not alive:
@@ -351,6 +402,8 @@ class PrefixCacheScorer:
         self.producer: Any = None
         """The `PrefixProducer` this scorer reads, once bound; None = its own index."""
         self._may_bind_default = producer_name is None and not own_index_configured
+        self._chars_per_block = params.chars_per_block()
+        self._seeds: dict[tuple[str, str | None, bytes | None], int] = {}
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], ctx: PluginContext) -> Self:
@@ -384,6 +437,21 @@ class PrefixCacheScorer:
             plugins, self.producer_name, "prefixMatchInfoProducerName"
         )
 
+    def _seed(self, request: LLMRequest) -> int:
+        """The chain's seed for the request's model and adapter, remembered per (model,
+        adapter, scale-out key): a handful of values, each computed once."""
+        secret = self.routing.seed_key
+        memo = (request.base_model, request.lora, secret)
+        seed = self._seeds.get(memo)
+        if seed is None:
+            seed = chain_seed(request.base_model, request.lora)
+            if secret is not None:
+                seed = keyed_seed(secret, seed)
+            if len(self._seeds) >= SEEDS_KEPT:
+                self._seeds.clear()
+            self._seeds[memo] = seed
+        return seed
+
     def block_keys(self, request: LLMRequest) -> list[int]:
         p = self.params
         cache_key = self._hashes_key
@@ -391,9 +459,7 @@ class PrefixCacheScorer:
         if cached is not None:
             keys: list[int] = cached
             return keys
-        seed = chain_seed(request.base_model, request.lora)
-        if self.seed_key is not None:
-            seed = keyed_seed(self.seed_key, seed)
+        seed = self._seed(request)
         tokens = request.cache.get("token_ids")
         if tokens is not None:
             keys = token_block_hashes(
@@ -402,8 +468,9 @@ class PrefixCacheScorer:
             if request.cache.get(PARTIAL_KEY):
                 keys = self._pad(request, keys)
         else:
-            chars = p.chars_per_block()
-            keys = char_block_hashes(request.prompt, chars, seed, p.max_prefix_blocks_to_match)
+            keys = char_block_hashes(
+                request.prompt, self._chars_per_block, seed, p.max_prefix_blocks_to_match
+            )
         request.cache[cache_key] = keys
         return keys
 
