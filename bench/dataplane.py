@@ -13,7 +13,8 @@ One run, loopback only, bounded in time (it stops by itself):
 - each target pinned with `taskset -c 0` (`--target-core`), started in front of the same
   replicas: servegate (`servegate serve --endpoint ...`: default profile, access log on),
   `vllm-router --policy cache_aware`, `sglang-router launch --policy cache_aware`, and
-  the relays in bench/relays/;
+  the relays in bench/relays/; `servegate@SRC` runs another checkout's `src` (PYTHONPATH)
+  as one more target, so two versions of servegate are measured side by side;
 - CPU per request = (utime + stime of the target's process tree, /proc/<pid>/stat) /
   requests wrk completed, per segment; `--rounds` rounds, each visiting the targets in
   a rotated order; medians over rounds, ratios against the peers.
@@ -478,6 +479,12 @@ def target_command(
         for url in upstreams:
             command += ["--endpoint", url]
         return command, {}
+    if target.startswith("servegate@"):  # another checkout's src, side by side (A/B)
+        command = [sys.executable, "-m", "servegate.cli", "serve", "--port", str(port)]
+        command += ["--host", LOOPBACK]
+        for url in upstreams:
+            command += ["--endpoint", url]
+        return command, {"PYTHONPATH": target.partition("@")[2]}
     if target == "vllm-router":
         command = [str(peers / "vllm-router"), "--host", LOOPBACK, "--port", str(port)]
         command += ["--prometheus-port", str(free_port())]  # metrics on, as by default
