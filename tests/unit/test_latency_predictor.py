@@ -329,3 +329,25 @@ def test_a_prediction_builds_its_feature_vectors_from_what_it_read() -> None:
     # the sums run term by term in the vectors' order: the pool's fit over them, exactly
     ttft = sum(t * x for t, x in zip(predictor.pool_ttft.theta, p.features.ttft, strict=True))
     assert p.ttft_ms == ttft * predictor.cold_factor(None, 0.0)
+
+
+def test_sample_lets_a_burst_of_one_second_of_the_cap_through_then_the_cap_evenly() -> None:
+    predictor = LatencyPredictor(learn_per_s=10.0)
+    # the bucket starts full: 10 streams (1 s of the cap) at once are all learned
+    assert [predictor.sample("a:1", 5.0) for _ in range(11)] == [True] * 10 + [False]
+    assert predictor.sample("b:1", 5.0)  # per endpoint
+    # then 1,000 streams a second for 2 s: one per 0.1 s refill, 20 in all
+    taken = [predictor.sample("a:1", 5.0 + k / 1000.0) for k in range(1, 2001)]
+    assert sum(taken) == 20
+    at = [k for k, t in enumerate(taken, 1) if t]
+    assert all(99 <= b - a <= 101 for a, b in zip([0, *at], at, strict=False))  # evenly
+    assert predictor.endpoints["a:1"].sampled_out == 1 + 1980
+    # a quiet second refills the bucket to its size, not beyond it
+    assert [predictor.sample("a:1", 20.0) for _ in range(11)] == [True] * 10 + [False]
+
+
+@pytest.mark.parametrize("cap", [None, 0.0])
+def test_without_a_cap_every_stream_is_sampled(cap: float | None) -> None:
+    predictor = LatencyPredictor(learn_per_s=cap)
+    assert all(predictor.sample("a:1", 1.0) for _ in range(10_000))
+    assert "a:1" not in predictor.endpoints  # not even a model is made for it

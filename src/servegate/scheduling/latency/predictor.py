@@ -106,6 +106,10 @@ RATE_WINDOW_S = 10.0
 RATIO_WINDOW = 50
 """Recent actual / predicted ratios kept per endpoint and target: the measured error an
 irreversible decision (shedding) is weighed against."""
+LEARN_PER_S = 100.0
+"""Default cap on the streams an endpoint's models learn from per second (`sample`)."""
+LEARN_BURST_S = 1.0
+"""`sample`'s bucket holds this many seconds of the cap: bursts under it are all learned."""
 
 
 def _no_ratios() -> deque[float]:
@@ -199,6 +203,12 @@ class EndpointModel:
     recent_at: float = 0.0
     ttft_speed: Speed = field(default_factory=Speed)
     tpot_speed: Speed = field(default_factory=Speed)
+    learn_budget: float = math.inf
+    """Streams `sample` may still let this endpoint learn from, as of `learn_budget_at`
+    (full to start with: clipped to the bucket's size when first read)."""
+    learn_budget_at: float = -math.inf
+    sampled_out: int = 0
+    """Streams not learned from because the endpoint was over the learning-rate cap."""
 
     def backlog(self, now: float) -> int:
         """Uncached prompt tokens dispatched here whose prefill is not done by `now` (no
@@ -352,8 +362,11 @@ class LatencyPredictor:
         forgetting: float = 0.995,
         prior_weight: float = 1.0,
         endpoint_prior_weight: float = 5.0,
+        learn_per_s: float | None = LEARN_PER_S,
     ) -> None:
         self.forgetting = forgetting
+        self.learn_per_s = learn_per_s or 0.0
+        """Streams per second and endpoint `sample` lets through (0: every one)."""
         self.prior_weight = prior_weight
         """How many observations the fixed prior of the pool-wide models is worth."""
         self.endpoint_prior_weight = endpoint_prior_weight
@@ -517,6 +530,37 @@ class LatencyPredictor:
         return worst
 
     # -- writes (the gateway, outside scheduling) ---------------------------------------
+    def sample(self, address: str, now: float) -> bool:
+        """Whether the endpoint's models should learn from a stream whose first
+        observation is in at `now`; asked once per stream, its answer holds for both
+        of the stream's observations (TTFT and TPOT).
+
+        A token bucket per endpoint, refilled at `learn_per_s` and holding
+        `LEARN_BURST_S` of it: below the cap every stream is learned (the predictions
+        are those of an uncapped predictor); above it, `learn_per_s` streams a second,
+        spread evenly, and the rest only release their backlog. Learning costs four
+        statistics updates and solves per stream; past a few hundred streams a second
+        more of them add CPU, not accuracy, and the forgetting (per observation) would
+        otherwise shrink the models' memory to a fraction of a second.
+        """
+        rate = self.learn_per_s
+        if rate <= 0.0:
+            return True
+        model = self.model(address)
+        budget = model.learn_budget
+        if now > model.learn_budget_at:
+            budget += (now - model.learn_budget_at) * rate
+            model.learn_budget_at = now
+            full = rate * LEARN_BURST_S
+            if budget > full:
+                budget = full
+        if budget >= 1.0:
+            model.learn_budget = budget - 1.0
+            return True
+        model.learn_budget = budget
+        model.sampled_out += 1
+        return False
+
     def dispatched(
         self,
         address: str,
