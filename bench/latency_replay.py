@@ -235,16 +235,20 @@ def replay(
         if kind == 0:
             firsts[i].ttft_ms = (r["t_first"] - r["t"]) * 1000.0
             if learn_ttft is not None and ttft is not None:
-                if sample is not None:
-                    sampled[i] = sample(address, t)
-                if ttft >= MIN_LEARNED_MS and sampled[i] is not False:
-                    learn_ttft(address, p, ttft)
+                if ttft >= MIN_LEARNED_MS:
+                    if sample is not None:
+                        sampled[i] = sample(address, t)
+                    if sampled[i] is not False:
+                        learn_ttft(address, p, ttft)
                 learned[i] = True
             continue
         tpot = r["tpot_ms"]
         if learned[i]:
             ttft = None
-        if sample is not None and (ttft is not None or tpot is not None):
+        if sample is not None and (
+            (ttft is not None and ttft >= MIN_LEARNED_MS)
+            or (tpot is not None and tpot >= MIN_LEARNED_MS)
+        ):
             if sampled[i] is None:
                 sampled[i] = sample(address, t)
             if not sampled[i]:

@@ -194,3 +194,20 @@ def test_a_stream_first_seen_at_its_end_is_sampled_there() -> None:
     assert (model.ttft_error.observations, model.tpot_error.observations) == (1, 1)
     assert [t.sampled for _, t in tickets] == [None, None]
     assert model.sampled_out == 1
+
+
+def test_a_stream_that_teaches_nothing_takes_no_place_under_the_cap() -> None:
+    _, req, decision = setup()
+    routing = LatencyRouting(LatencyPredictor(learn_per_s=1.0), {})
+    burst, burst_ticket = dispatch(routing, req, decision)
+    burst.endpoint, burst.status, burst.stream = "a:1", 200, True
+    burst.ttft_ms, burst.completion_tokens = 50.2, 11  # 0.2 ms after dispatch: one burst
+    routing.learn_first_tokens(10.5)
+    burst_ticket.done(burst, now=10.05)  # and its tokens all at once
+    assert burst_ticket.sampled is None
+    record, ticket = dispatch(routing, req, decision)
+    record.endpoint, record.status, record.stream = "a:1", 200, True
+    record.ttft_ms, record.completion_tokens = 250.0, 11
+    routing.learn_first_tokens(10.5)
+    assert ticket.sampled  # the bucket's one stream was still there
+    assert routing.predictor.endpoints["a:1"].sampled_out == 0

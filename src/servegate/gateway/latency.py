@@ -45,7 +45,7 @@ from servegate.scheduling.latency.plugins import (
     find_source,
     request_slo,
 )
-from servegate.scheduling.latency.predictor import LatencyPredictor, Prediction
+from servegate.scheduling.latency.predictor import MIN_LEARNED_MS, LatencyPredictor, Prediction
 from servegate.scheduling.latency.slo import Slo
 from servegate.scheduling.request import LLMRequest
 
@@ -126,10 +126,11 @@ class Ticket:
         if ttft is None:
             return self.record.ttft_ms is not None  # a first byte that teaches nothing
         self.learned_ttft_ms = ttft
-        predictor = self.owner.predictor
-        self.sampled = sampled = predictor.sample(self.address, now)
-        if sampled:
-            predictor.learn_ttft(self.address, self.prediction, ttft)
+        if ttft >= MIN_LEARNED_MS:  # else nothing to learn: no sampling decision either
+            predictor = self.owner.predictor
+            self.sampled = sampled = predictor.sample(self.address, now)
+            if sampled:
+                predictor.learn_ttft(self.address, self.prediction, ttft)
         return True
 
     def debug(self, headers: dict[str, str]) -> None:
@@ -172,7 +173,10 @@ class Ticket:
         if self.learned_ttft_ms is not None:
             ttft = None
         predictor = self.owner.predictor
-        if learn and (ttft is not None or tpot is not None):
+        if learn and (
+            (ttft is not None and ttft >= MIN_LEARNED_MS)
+            or (tpot is not None and tpot >= MIN_LEARNED_MS)
+        ):
             sampled = self.sampled
             if sampled is None:
                 sampled = predictor.sample(self.address, now)
