@@ -50,6 +50,10 @@ one is costed as slower at once, also for requests unlike those it has seen, and
 endpoint that differs otherwise moves away as its own data arrives. Before an endpoint
 has taught any TTFT, a request of its still waiting past its predicted first token is
 the only evidence of its speed (`cold_factor`).
+
+Learning is capped per endpoint (`sample`, `learn_per_s`): the gateway asks once per
+stream whether to learn from it; below the cap every stream is learned, above it an
+evenly spaced `learn_per_s` a second, the rest only releasing their backlog.
 """
 
 from __future__ import annotations
