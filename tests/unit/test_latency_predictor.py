@@ -351,3 +351,11 @@ def test_without_a_cap_every_stream_is_sampled(cap: float | None) -> None:
     predictor = LatencyPredictor(learn_per_s=cap)
     assert all(predictor.sample("a:1", 1.0) for _ in range(10_000))
     assert "a:1" not in predictor.endpoints  # not even a model is made for it
+
+
+def test_an_earlier_now_refills_nothing_and_loses_no_time() -> None:
+    predictor = LatencyPredictor(learn_per_s=10.0)
+    assert sum(predictor.sample("a:1", 5.0) for _ in range(10)) == 10
+    assert not predictor.sample("a:1", 4.0)  # a request that arrived earlier: no refill
+    assert not predictor.sample("a:1", 5.05)  # half a stream since 5.0
+    assert predictor.sample("a:1", 5.11)  # one since 5.0: the earlier call cost no time

@@ -545,7 +545,10 @@ class LatencyPredictor:
         spread evenly, and the rest only release their backlog. Learning costs four
         statistics updates and solves per stream; past a few hundred streams a second
         more of them add CPU, not accuracy, and the forgetting (per observation) would
-        otherwise shrink the models' memory to a fraction of a second.
+        otherwise shrink the models' memory to a fraction of a second. `now` need not
+        increase from call to call (the first byte of a stream is noticed at a later
+        request's arrival, which may have waited in a queue): an earlier `now` refills
+        nothing, and the bucket refills from the latest one seen.
         """
         rate = self.learn_per_s
         if rate <= 0.0:
