@@ -359,3 +359,10 @@ def test_an_earlier_now_refills_nothing_and_loses_no_time() -> None:
     assert not predictor.sample("a:1", 4.0)  # a request that arrived earlier: no refill
     assert not predictor.sample("a:1", 5.05)  # half a stream since 5.0
     assert predictor.sample("a:1", 5.11)  # one since 5.0: the earlier call cost no time
+
+
+def test_a_cap_under_one_a_second_still_learns_one_stream_per_period() -> None:
+    predictor = LatencyPredictor(learn_per_s=0.01)
+    assert [predictor.sample("a:1", 1.0) for _ in range(3)] == [True, False, False]
+    assert not predictor.sample("a:1", 99.0)
+    assert predictor.sample("a:1", 101.5)  # 100 s after the first

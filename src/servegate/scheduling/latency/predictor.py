@@ -540,7 +540,7 @@ class LatencyPredictor:
         of the stream's observations (TTFT and TPOT).
 
         A token bucket per endpoint, refilled at `learn_per_s` and holding
-        `LEARN_BURST_S` of it: below the cap every stream is learned (the predictions
+        `LEARN_BURST_S` of it (at least one stream): below the cap every stream is learned (the predictions
         are those of an uncapped predictor); above it, `learn_per_s` streams a second,
         spread evenly, and the rest only release their backlog. Learning costs four
         statistics updates and solves per stream; past a few hundred streams a second
@@ -559,6 +559,8 @@ class LatencyPredictor:
             budget += (now - model.learn_budget_at) * rate
             model.learn_budget_at = now
             full = rate * LEARN_BURST_S
+            if full < 1.0:  # a cap under one a second still lets one stream through
+                full = 1.0
             if budget > full:
                 budget = full
         if budget >= 1.0:
