@@ -366,3 +366,20 @@ def test_a_cap_under_one_a_second_still_learns_one_stream_per_period() -> None:
     assert [predictor.sample("a:1", 1.0) for _ in range(3)] == [True, False, False]
     assert not predictor.sample("a:1", 99.0)
     assert predictor.sample("a:1", 101.5)  # 100 s after the first
+
+
+def test_the_hot_path_estimate_of_a_cold_endpoint_reads_its_overdue_first_tokens() -> None:
+    class Waiting:
+        ttft_ms: float | None = None
+
+    predictor = LatencyPredictor()
+    s = state("a:1", in_flight=4)
+    for i in range(4):  # four requests sent, no first token yet: the endpoint is cold
+        p = predictor.predict(s, 1000 + 300 * i, 0.0, None, now=i * 0.01)
+        predictor.dispatched("a:1", p, i * 0.01, Waiting())
+    late = 5.0  # long past every predicted first token
+    full = predictor.predict(s, 500, 0.0, None, now=late)
+    assert predictor.cold_factor(predictor.endpoints["a:1"], late) > 10.0
+    assert predictor.estimate(s, 500, 0.0, None, now=late) == pytest.approx(
+        (full.ttft_ms, full.tpot_ms)
+    )

@@ -492,14 +492,20 @@ class LatencyPredictor:
         backlog = 0.0
         prefilling = 0
         rate = 0.0
+        worst = 1.0
         if model is None:
             a = self.pool_ttft.theta
             b = self.pool_tpot.theta
+            cold = True
         else:
             a = model.ttft.theta if model.ttft.effective_n > 0.0 else self.pool_ttft.theta
             b = model.tpot.theta if model.tpot.effective_n > 0.0 else self.pool_tpot.theta
+            cold = model.ttft_error.observations == 0
             if model.pending:
-                tokens, prefilling = model.load(now)
+                if cold:  # how overdue its first tokens are, in the same pass
+                    tokens, prefilling, worst = model.scan(now)
+                else:
+                    tokens, prefilling = model.load(now)
                 backlog = tokens / 1000.0
             if model.recent_tokens > 0.0:
                 rate = model.recent_rate(now)
@@ -513,8 +519,8 @@ class LatencyPredictor:
             info = m.lora
             if info is None or lora not in info.running:
                 ttft += a[8]
-        if model is None or model.ttft_error.observations == 0:
-            ttft *= self.cold_factor(model, now)
+        if cold:
+            ttft *= self._cold_factor(model, worst, now)
         tpot = b[0] + b[1] * decoding + b[2] * prefill + b[3] * rate + b[4] * waiting + b[5] * kv
         return (ttft if ttft > MIN_MS else MIN_MS, tpot if tpot > MIN_MS else MIN_MS)
 
