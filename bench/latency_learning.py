@@ -12,14 +12,19 @@ per request over a round, and the median of `--rounds` rounds is printed.
 
     .venv/bin/python bench/latency_learning.py
     .venv/bin/python bench/latency_learning.py --against base=/work/ref-base/src
+    .venv/bin/python bench/latency_learning.py --interval 0.0002   # 5,000 requests/s
 
-`--against NAME=SRC` (repeatable) runs the same measurement with `PYTHONPATH=SRC`
-in a child process, alternating rounds with this tree's code, and prints the ratios.
+`--interval` sets the virtual clock's step between requests. The default profile's
+prefix affinity sends nearly all of them to one endpoint, so the default (5 ms: 200
+streams a second there) is over the predictor's default learning cap (`learn_per_s`,
+100): about half the streams are learned; 20 ms (50 a second) is under it, 0.2 ms far
+over it. The last column is the share of ended streams the predictor learned from.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import random
 import statistics
@@ -27,6 +32,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -58,7 +64,7 @@ def _request(rng: random.Random, i: int) -> LLMRequest:
 
 
 def measure(
-    stream: bool, requests: int, endpoints: int, in_flight: int, seed: int
+    stream: bool, requests: int, endpoints: int, in_flight: int, seed: int, interval: float
 ) -> dict[str, float]:
     """Mean µs per request of each phase over `requests` requests (after as many warm-up)."""
     rng = random.Random(seed)
@@ -68,6 +74,11 @@ def measure(
         DEFAULT_PICKER_CONFIG, PluginContext(services={SERVICE_KEY: predictor})
     )
     routing = LatencyRouting(predictor, picker.plugins)
+    learn_first_tokens: Callable[[float], None] = (
+        routing.learn_first_tokens
+        if "now" in inspect.signature(routing.learn_first_tokens).parameters
+        else lambda _now: routing.learn_first_tokens()  # type: ignore[call-arg]  # a checkout without the learning cap
+    )
     reqs = [_request(rng, i) for i in range(2 * requests)]
     open_: deque[tuple[Ticket, AccessRecord, float]] = deque()
     spent = dict.fromkeys(PHASES, 0)
@@ -75,7 +86,7 @@ def measure(
     perf = time.perf_counter_ns
     for i, req in enumerate(reqs):
         timed = i >= requests
-        now += 0.005
+        now += interval
         cycle = CycleState(now=now, rng=rng)
         decision = picker.schedule(req, states, cycle)
         record = AccessRecord(request_id=req.request_id, method="POST", path="/v1/chat/completions")
@@ -92,7 +103,7 @@ def measure(
             ticket, record, sent = open_.popleft()
             record.ttft_ms = 1.0 + 40.0 * (1.0 + rng.random()) * (1 + i % 3)
             t2 = perf()
-            routing.learn_first_tokens()
+            learn_first_tokens(now)
             t3 = perf()
             record.completion_tokens = 16
             t4 = perf()
@@ -103,12 +114,17 @@ def measure(
                 spent["done"] += t5 - t4
         if timed:
             spent["dispatch"] += t1 - t0
-    return {phase: ns / requests / 1000.0 for phase, ns in spent.items()}
+    out = {phase: ns / requests / 1000.0 for phase, ns in spent.items()}
+    learned = sum(m.ttft_error.observations for m in predictor.endpoints.values())
+    out["learned"] = learned / (2 * requests - in_flight)  # of the streams that ended
+    return out
 
 
 def child(args: argparse.Namespace) -> None:
     out = {
-        kind: measure(kind == "sse", args.requests, args.endpoints, args.in_flight, args.seed)
+        kind: measure(
+            kind == "sse", args.requests, args.endpoints, args.in_flight, args.seed, args.interval
+        )
         for kind in ("json", "sse")
     }
     sys.stdout.write(orjson.dumps(out).decode() + "\n")
@@ -119,7 +135,7 @@ def main(args: argparse.Namespace) -> None:
     runs: dict[str, list[dict[str, dict[str, float]]]] = {name: [] for name, _ in variants}
     here = [sys.executable, __file__, "--child", "--requests", str(args.requests),
             "--endpoints", str(args.endpoints), "--in-flight", str(args.in_flight),
-            "--seed", str(args.seed)]  # fmt: skip
+            "--seed", str(args.seed), "--interval", str(args.interval)]  # fmt: skip
     for _ in range(args.rounds):
         for name, src in variants:
             env = dict(os.environ)
@@ -128,21 +144,25 @@ def main(args: argparse.Namespace) -> None:
             done = subprocess.run(here, env=env, capture_output=True, text=True, check=True)
             runs[name].append(orjson.loads(done.stdout))
     print(
-        f"{args.endpoints} endpoints, {args.in_flight} in flight, {args.requests} timed requests "
-        f"per round, median of {args.rounds} rounds (µs per request)\n"
+        f"{args.endpoints} endpoints, {args.in_flight} in flight, one request every "
+        f"{args.interval * 1000:g} ms ({1 / args.interval:g}/s in all; the default profile's "
+        "prefix affinity sends most to one endpoint), "
+        f"{args.requests} timed requests per round, median of {args.rounds} rounds "
+        "(µs per request)\n"
     )
-    header = "| variant | kind | " + " | ".join(PHASES) + " | total |"
-    print(header + "\n" + "|---" * (len(PHASES) + 3) + "|")
+    header = "| variant | kind | " + " | ".join(PHASES) + " | total | streams learned |"
+    print(header + "\n" + "|---" * (len(PHASES) + 4) + "|")
     medians: dict[tuple[str, str], float] = {}
     for name, _ in variants:
         for kind in ("json", "sse"):
             cells = [statistics.median(r[kind][p] for r in runs[name]) for p in PHASES]
-            total = statistics.median(sum(r[kind].values()) for r in runs[name])
+            total = statistics.median(sum(r[kind][p] for p in PHASES) for r in runs[name])
+            learned = statistics.median(r[kind]["learned"] for r in runs[name])
             medians[name, kind] = total
             print(
                 f"| {name} | {kind} | "
                 + " | ".join(f"{c:.2f}" for c in cells)
-                + f" | {total:.2f} |"
+                + f" | {total:.2f} | {learned:.0%} |"
             )
     for name, _ in variants[1:]:
         for kind in ("json", "sse"):
@@ -157,6 +177,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--in-flight", type=int, default=16)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--interval",
+        type=float,
+        default=0.005,
+        help="virtual seconds between requests (0.0002: 5,000/s, far over the learning cap)",
+    )
     p.add_argument("--against", action="append", default=[], metavar="NAME=SRC")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)

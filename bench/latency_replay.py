@@ -15,7 +15,9 @@ visible at its time, `learn_ttft` there (as the gateway does), `completed` at th
 and reports the TTFT and TPOT MAPE the bench would have reported (each prediction made at
 dispatch, before its own TTFT is known), over the whole run and its later half.
 
-The routing decisions are the recorded ones: a replay measures prediction error on the
+Each stream is sampled as the gateway does it (`LatencyPredictor.sample`, once per stream
+at its first observation, on the recorded clock), where the predictor has the learning
+cap. The routing decisions are the recorded ones: a replay measures prediction error on the
 endpoints the requests went to, not what a different predictor would have chosen.
 """
 
@@ -209,7 +211,9 @@ def replay(
     keys = [0] * len(rows)
     preds: list[Prediction | None] = [None] * len(rows)
     learned = [False] * len(rows)
+    sampled: list[bool | None] = [None] * len(rows)
     learn_ttft = getattr(predictor, "learn_ttft", None) if at_first_byte else None
+    sample = getattr(predictor, "sample", None)  # a checkout without the learning cap: none
     for t, kind, i in _events(rows):
         r = rows[i]
         address = r["endpoint"]
@@ -230,12 +234,26 @@ def replay(
         ttft = r["ttft_ms"]
         if kind == 0:
             firsts[i].ttft_ms = (r["t_first"] - r["t"]) * 1000.0
-            if learn_ttft is not None and ttft is not None and ttft >= MIN_LEARNED_MS:
-                learn_ttft(address, p, ttft)
+            if learn_ttft is not None and ttft is not None:
+                if ttft >= MIN_LEARNED_MS:
+                    if sample is not None:
+                        sampled[i] = sample(address, t)
+                    if sampled[i] is not False:
+                        learn_ttft(address, p, ttft)
                 learned[i] = True
             continue
         tpot = r["tpot_ms"]
-        predictor.completed(address, keys[i], p, None if learned[i] else ttft, tpot, r["uncached"])
+        if learned[i]:
+            ttft = None
+        if sample is not None and (
+            (ttft is not None and ttft >= MIN_LEARNED_MS)
+            or (tpot is not None and tpot >= MIN_LEARNED_MS)
+        ):
+            if sampled[i] is None:
+                sampled[i] = sample(address, t)
+            if not sampled[i]:
+                ttft = tpot = None
+        predictor.completed(address, keys[i], p, ttft, tpot, r["uncached"])
     for r, p in zip(rows, preds, strict=True):  # in dispatch order, as the bench reports
         assert p is not None
         out.all_ttft_ms.append(p.ttft_ms)
@@ -257,6 +275,11 @@ def main() -> None:
     p.add_argument(
         "--learn-at-end", action="store_true", help="learn TTFTs at the stream's end (as before)"
     )
+    p.add_argument(
+        "--learn-per-s",
+        type=float,
+        help="the predictor's learning-rate cap (default: its own; 0: every stream)",
+    )
     p.add_argument("--digits", type=int, default=1, help="decimals of the MAPE percentages")
     p.add_argument("--dump", help="write every prediction (TTFT, TPOT) here, one JSON line each")
     p.add_argument(
@@ -272,7 +295,12 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for path in args.trace:
         for run, (pid, rows) in enumerate(load(path).items()):
-            result = replay(rows, LatencyPredictor(), not args.learn_at_end)
+            predictor = (
+                LatencyPredictor()
+                if args.learn_per_s is None
+                else LatencyPredictor(learn_per_s=args.learn_per_s)
+            )
+            result = replay(rows, predictor, not args.learn_at_end)
             ttft, later, tpot, n = result.summary()
             recorded = [
                 abs(r["pred_ttft_ms"] - r["ttft_ms"]) / r["ttft_ms"]

@@ -32,6 +32,7 @@ from servegate.pool.endpoint import Endpoint, Role
 from servegate.rewrites import ModelRewrite
 from servegate.scaleout.settings import ScaleOutSettings
 from servegate.scheduling.flowcontrol.settings import FlowControlSettings
+from servegate.scheduling.latency.settings import LatencySettings
 from servegate.tokenization.settings import TokenizerSettings
 
 ENV_PREFIX = "SERVEGATE_"
@@ -233,6 +234,8 @@ class PoolSettings(_Strict, ScrapeSettings):
     kv_events: KVEventsSettings = KVEventsSettings()
     discovery: DiscoverySettings = StaticDiscoverySettings()
     """`static`: `endpoints` only; `kubernetes`: also follow pods (see pool/discovery/settings.py)."""
+    latency: LatencySettings = LatencySettings()
+    """How the pool's latency predictor learns (scheduling/latency/settings.py)."""
 
 
 class PoolEntry(PoolSettings):

@@ -193,3 +193,39 @@ async def test_streams_teach_the_predictor_and_show_in_the_log_and_debug_header(
         page = (await (await session.get(gw.url + "/metrics")).read()).decode()
         assert "servegate_latency_prediction_error_ratio{" in page
         assert 'servegate_latency_slo_requests_total{inference_pool="default",outcome=' in page
+
+
+async def test_over_the_learning_cap_streams_are_served_but_not_learned(
+    cluster: SimCluster, session: aiohttp.ClientSession
+) -> None:
+    cfg = config(cluster.urls)
+    cfg["pool"]["latency"] = {"learn_per_s": 0.001}  # one stream per endpoint, then none
+    async with GatewayRunner(cfg) as gw:
+        await wait_ready(gw, len(cluster))
+        for _ in range(8):
+            status, _, _ = await post(session, gw, ttft_ms=5000, sheddable=False, stream=True)
+            assert status == 200
+        await wait_for(lambda: len(gw.access_lines()) >= 8, what="access lines")
+        lines = gw.access_lines()
+        predictor = gw.gateway.default.state.latency
+        assert predictor.learn_per_s == 0.001
+        models = predictor.endpoints.values()
+        learned = [max(m.ttft_error.observations, m.tpot_error.observations) for m in models]
+        assert all(n <= 1 for n in learned)  # the one stream the bucket holds
+        # every stream with a TTFT or TPOT to teach (read from the log, with its 3-decimal
+        # rounding either way) was either learned or counted as sampled out
+        decided = sum(learned) + sum(m.sampled_out for m in models)
+        shown = [
+            max(line["ttft_ms"] - line["dispatched_ms"], line["tpot_ms"] or 0.0) for line in lines
+        ]
+        assert sum(t >= MIN_LEARNED_MS + 0.001 for t in shown) <= decided
+        assert decided <= sum(t >= MIN_LEARNED_MS - 0.001 for t in shown)
+        assert sum(m.sampled_out for m in models) >= decided - len(cluster) > 0
+        assert all(not m.pending for m in models)  # backlog released all the same
+        page = (await (await session.get(gw.url + "/metrics")).read()).decode()
+        for address, m in predictor.endpoints.items():
+            series = (
+                f'servegate_latency_prediction_sampled_out_total{{endpoint="{address}",'
+                f'inference_pool="default"}} {float(m.sampled_out)}'
+            )
+            assert series in page

@@ -6,6 +6,7 @@ import asyncio
 import random
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from servegate.gateway.access_log import AccessRecord
 from servegate.gateway.latency import LatencyRouting
@@ -83,7 +84,7 @@ def test_a_ttft_is_learned_before_the_next_decision_once_its_first_byte_is_relay
     routing, req, decision = setup()
     record, ticket = dispatch(routing, req, decision)
     model = routing.predictor.endpoints["a:1"]
-    routing.learn_first_tokens()  # no first byte yet: nothing to learn
+    routing.learn_first_tokens(10.1)  # no first byte yet: nothing to learn
     assert model.ttft_error.observations == 0
     record.endpoint, record.status, record.stream = "a:1", 200, True
     record.ttft_ms = 250.0  # the first byte, 200 ms after dispatch; the stream goes on
@@ -103,8 +104,110 @@ def test_a_first_byte_that_does_not_show_the_predicted_ttft_is_left_to_the_end()
     record, ticket = dispatch(routing, req, decision)
     record.endpoint, record.status, record.stream = "b:1", 200, True  # a fallback served it
     record.ttft_ms = 250.0
-    routing.learn_first_tokens()
+    routing.learn_first_tokens(10.5)
     assert not routing.awaiting_first_token  # looked at once, then no more
     model = routing.predictor.endpoints["a:1"]
     ticket.done(record, now=11.0)
     assert model.ttft_error.observations == 0
+
+
+def streams(routing: LatencyRouting, rate: float, n: int) -> list[float]:
+    """`n` streams of one endpoint at `rate` a second through the gateway's calls, each
+    with its first byte 100 ms and its end 300 ms after dispatch; the TTFT predicted
+    for each, in order."""
+    _, req, decision = setup()
+    predicted = []
+    open_: list[tuple[AccessRecord, object, float]] = []
+    for i in range(n):
+        t = 10.0 + i / rate
+        for record, ticket, sent in [o for o in open_ if o[2] + 0.3 <= t]:
+            ticket.done(record, sent + 0.3)  # type: ignore[attr-defined]
+            open_.remove((record, ticket, sent))
+        for record, _, sent in open_:
+            if sent + 0.1 <= t and record.ttft_ms is None:
+                record.ttft_ms = 100.0 + 10.0 * (i % 7)
+        asyncio.run(routing.admit(req, t, [decision.endpoint], None, random.Random(0)))  # type: ignore[arg-type]
+        record = AccessRecord(request_id=str(i), method="POST", path="/v1/chat/completions")
+        ticket = routing.dispatch(req, decision, record, CycleState(t, random.Random(0)), t)
+        predicted.append(ticket.prediction.ttft_ms)
+        record.endpoint, record.status, record.stream = "a:1", 200, True
+        record.completion_tokens = 5 + i % 5
+        open_.append((record, ticket, t))
+    return predicted
+
+
+def test_below_the_learning_cap_predictions_are_those_of_an_uncapped_predictor() -> None:
+    capped = LatencyRouting(LatencyPredictor(learn_per_s=20.0), {})
+    uncapped = LatencyRouting(LatencyPredictor(learn_per_s=None), {})
+    assert streams(capped, 15.0, 300) == streams(uncapped, 15.0, 300)
+    assert capped.predictor.endpoints["a:1"].sampled_out == 0
+
+
+def test_above_the_learning_cap_streams_are_learned_at_the_cap() -> None:
+    routing = LatencyRouting(LatencyPredictor(learn_per_s=20.0), {})
+    streams(routing, 200.0, 600)  # 3 s at ten times the cap
+    model = routing.predictor.endpoints["a:1"]
+    learned = model.ttft_error.observations
+    # the first second's burst (20) and 20 a second after: not the ~595 streams seen
+    assert 60 <= learned <= 20 + 20 * 3
+    assert model.tpot_error.observations <= learned + 1  # the same streams, fewer ended
+    assert model.sampled_out > 500
+    assert len(model.pending) <= 61  # every finished one released its backlog
+
+
+def test_one_sampling_decision_covers_a_streams_first_byte_and_its_end() -> None:
+    _, req, decision = setup({"x-llm-d-slo-ttft-ms": "500"})
+    registry = CollectorRegistry()
+    routing = LatencyRouting(LatencyPredictor(learn_per_s=1.0), {}, registry)  # a bucket of one
+    first, a = dispatch(routing, req, decision)
+    second, b = dispatch(routing, req, decision)
+    for record in (first, second):
+        record.endpoint, record.status, record.stream = "a:1", 200, True
+        record.ttft_ms, record.completion_tokens = 250.0, 11
+    routing.learn_first_tokens(10.5)  # the first takes the bucket's one stream
+    assert (a.sampled, b.sampled) == (True, False)
+    model = routing.predictor.endpoints["a:1"]
+    assert model.ttft_error.observations == 1
+    # 1.5 s later the bucket has room again, but the streams keep their decisions
+    a.done(first, now=12.0)
+    b.done(second, now=12.0)
+    assert model.ttft_error.observations == 1 and model.tpot_error.observations == 1
+    assert model.sampled_out == 1
+    assert not model.pending  # both released their backlog
+    assert routing.slo_outcomes == {("ttft", "met"): 2}  # and both count for the SLO
+    sample = registry.get_sample_value
+    assert sample("servegate_latency_prediction_sampled_out_total", {"endpoint": "a:1"}) == 1
+    for target in ("ttft", "tpot"):  # the sampled-out stream is not counted as learned
+        labels = {"endpoint": "a:1", "target": target}
+        assert sample("servegate_latency_prediction_observations_total", labels) == 1
+
+
+def test_a_stream_first_seen_at_its_end_is_sampled_there() -> None:
+    routing, req, decision = setup()
+    routing.predictor.learn_per_s = 1.0
+    tickets = [dispatch(routing, req, decision) for _ in range(2)]
+    for record, ticket in tickets:
+        record.endpoint, record.status, record.stream = "a:1", 200, True
+        record.ttft_ms, record.completion_tokens = 250.0, 11
+        ticket.done(record, now=11.0)
+    model = routing.predictor.endpoints["a:1"]
+    assert (model.ttft_error.observations, model.tpot_error.observations) == (1, 1)
+    assert [t.sampled for _, t in tickets] == [None, None]
+    assert model.sampled_out == 1
+
+
+def test_a_stream_that_teaches_nothing_takes_no_place_under_the_cap() -> None:
+    _, req, decision = setup()
+    routing = LatencyRouting(LatencyPredictor(learn_per_s=1.0), {})
+    burst, burst_ticket = dispatch(routing, req, decision)
+    burst.endpoint, burst.status, burst.stream = "a:1", 200, True
+    burst.ttft_ms, burst.completion_tokens = 50.2, 11  # 0.2 ms after dispatch: one burst
+    routing.learn_first_tokens(10.5)
+    burst_ticket.done(burst, now=10.05)  # and its tokens all at once
+    assert burst_ticket.sampled is None
+    record, ticket = dispatch(routing, req, decision)
+    record.endpoint, record.status, record.stream = "a:1", 200, True
+    record.ttft_ms, record.completion_tokens = 250.0, 11
+    routing.learn_first_tokens(10.5)
+    assert ticket.sampled  # the bucket's one stream was still there
+    assert routing.predictor.endpoints["a:1"].sampled_out == 0

@@ -329,3 +329,57 @@ def test_a_prediction_builds_its_feature_vectors_from_what_it_read() -> None:
     # the sums run term by term in the vectors' order: the pool's fit over them, exactly
     ttft = sum(t * x for t, x in zip(predictor.pool_ttft.theta, p.features.ttft, strict=True))
     assert p.ttft_ms == ttft * predictor.cold_factor(None, 0.0)
+
+
+def test_sample_lets_a_burst_of_one_second_of_the_cap_through_then_the_cap_evenly() -> None:
+    predictor = LatencyPredictor(learn_per_s=10.0)
+    # the bucket starts full: 10 streams (1 s of the cap) at once are all learned
+    assert [predictor.sample("a:1", 5.0) for _ in range(11)] == [True] * 10 + [False]
+    assert predictor.sample("b:1", 5.0)  # per endpoint
+    # then 1,000 streams a second for 2 s: one per 0.1 s refill, 20 in all
+    taken = [predictor.sample("a:1", 5.0 + k / 1000.0) for k in range(1, 2001)]
+    assert sum(taken) == 20
+    at = [k for k, t in enumerate(taken, 1) if t]
+    assert all(99 <= b - a <= 101 for a, b in zip([0, *at], at, strict=False))  # evenly
+    assert predictor.endpoints["a:1"].sampled_out == 1 + 1980
+    # a quiet second refills the bucket to its size, not beyond it
+    assert [predictor.sample("a:1", 20.0) for _ in range(11)] == [True] * 10 + [False]
+
+
+@pytest.mark.parametrize("cap", [None, 0.0])
+def test_without_a_cap_every_stream_is_sampled(cap: float | None) -> None:
+    predictor = LatencyPredictor(learn_per_s=cap)
+    assert all(predictor.sample("a:1", 1.0) for _ in range(10_000))
+    assert "a:1" not in predictor.endpoints  # not even a model is made for it
+
+
+def test_an_earlier_now_refills_nothing_and_loses_no_time() -> None:
+    predictor = LatencyPredictor(learn_per_s=10.0)
+    assert sum(predictor.sample("a:1", 5.0) for _ in range(10)) == 10
+    assert not predictor.sample("a:1", 4.0)  # a request that arrived earlier: no refill
+    assert not predictor.sample("a:1", 5.05)  # half a stream since 5.0
+    assert predictor.sample("a:1", 5.11)  # one since 5.0: the earlier call cost no time
+
+
+def test_a_cap_under_one_a_second_still_learns_one_stream_per_period() -> None:
+    predictor = LatencyPredictor(learn_per_s=0.01)
+    assert [predictor.sample("a:1", 1.0) for _ in range(3)] == [True, False, False]
+    assert not predictor.sample("a:1", 99.0)
+    assert predictor.sample("a:1", 101.5)  # 100 s after the first
+
+
+def test_the_hot_path_estimate_of_a_cold_endpoint_reads_its_overdue_first_tokens() -> None:
+    class Waiting:
+        ttft_ms: float | None = None
+
+    predictor = LatencyPredictor()
+    s = state("a:1", in_flight=4)
+    for i in range(4):  # four requests sent, no first token yet: the endpoint is cold
+        p = predictor.predict(s, 1000 + 300 * i, 0.0, None, now=i * 0.01)
+        predictor.dispatched("a:1", p, i * 0.01, Waiting())
+    late = 5.0  # long past every predicted first token
+    full = predictor.predict(s, 500, 0.0, None, now=late)
+    assert predictor.cold_factor(predictor.endpoints["a:1"], late) > 10.0
+    assert predictor.estimate(s, 500, 0.0, None, now=late) == pytest.approx(
+        (full.ttft_ms, full.tpot_ms)
+    )

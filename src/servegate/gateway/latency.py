@@ -45,7 +45,7 @@ from servegate.scheduling.latency.plugins import (
     find_source,
     request_slo,
 )
-from servegate.scheduling.latency.predictor import LatencyPredictor, Prediction
+from servegate.scheduling.latency.predictor import MIN_LEARNED_MS, LatencyPredictor, Prediction
 from servegate.scheduling.latency.slo import Slo
 from servegate.scheduling.request import LLMRequest
 
@@ -67,7 +67,7 @@ class Ticket:
 
     __slots__ = (
         "_done", "address", "dispatched_ms", "key", "learned_ttft_ms", "owner", "prediction",
-        "predictions", "record", "slo", "started",
+        "predictions", "record", "sampled", "slo", "started",
     )  # fmt: skip
 
     def __init__(
@@ -94,7 +94,11 @@ class Ticket:
         """The request's memo of every scored candidate's predictions (not copied: `debug`
         reads it right after dispatch)."""
         self.learned_ttft_ms: float | None = None
-        """The TTFT already taught to the predictor (once: never again at `done`)."""
+        """The TTFT seen at the first byte, taught to the predictor if `sampled` (once:
+        never again at `done`)."""
+        self.sampled: bool | None = None
+        """`LatencyPredictor.sample`'s answer for this stream, asked at its first
+        observation and kept for the other (None: not asked yet)."""
         self._done = False
 
     @property
@@ -113,15 +117,20 @@ class Ticket:
             return None
         return max(0.0, r.ttft_ms - self.dispatched_ms)
 
-    def first_token(self) -> bool:
-        """Teach the TTFT if it is known now; True once the ticket needs no more looks."""
+    def first_token(self, now: float) -> bool:
+        """Teach the TTFT if it is known by `now` (and the stream is sampled); True once
+        the ticket needs no more looks."""
         if self._done or self.learned_ttft_ms is not None:
             return True
         ttft = self.learnable_ttft_ms
         if ttft is None:
             return self.record.ttft_ms is not None  # a first byte that teaches nothing
         self.learned_ttft_ms = ttft
-        self.owner.predictor.learn_ttft(self.address, self.prediction, ttft)
+        if ttft >= MIN_LEARNED_MS:  # else nothing to learn: no sampling decision either
+            predictor = self.owner.predictor
+            self.sampled = sampled = predictor.sample(self.address, now)
+            if sampled:
+                predictor.learn_ttft(self.address, self.prediction, ttft)
         return True
 
     def debug(self, headers: dict[str, str]) -> None:
@@ -163,7 +172,16 @@ class Ticket:
             uncached = max(0, record.prompt_tokens - record.cached_tokens)
         if self.learned_ttft_ms is not None:
             ttft = None
-        self.owner.predictor.completed(
+        predictor = self.owner.predictor
+        if learn and (
+            (ttft is not None and ttft >= MIN_LEARNED_MS)
+            or (tpot is not None and tpot >= MIN_LEARNED_MS)
+        ):
+            sampled = self.sampled
+            if sampled is None:
+                sampled = predictor.sample(self.address, now)
+            learn = sampled
+        predictor.completed(
             self.address,
             self.key,
             self.prediction,
@@ -212,7 +230,7 @@ class LatencyRouting:
         current when it was admitted after waiting.
         """
         request.cache[ARRIVED_KEY] = started
-        self.learn_first_tokens()
+        self.learn_first_tokens(started)
         admitter = self.admitter
         if admitter is None:
             return None
@@ -234,13 +252,14 @@ class LatencyRouting:
         self.shed += 1
         raise SloUnattainable(verdict.reason)
 
-    def learn_first_tokens(self) -> None:
-        """Teach the predictor every TTFT relayed since the last call (before a decision)."""
+    def learn_first_tokens(self, now: float) -> None:
+        """Teach the predictor every TTFT relayed since the last call (before a decision
+        at `now`, monotonic seconds)."""
         awaiting = self.awaiting_first_token
         if awaiting:  # only those with a first byte can settle (`Ticket.first_token`)
             arrived = [t for t in awaiting.values() if t.record.ttft_ms is not None]
             for ticket in arrived:
-                if ticket.first_token():
+                if ticket.first_token(now):
                     del awaiting[ticket.key]
 
     def dispatch(
@@ -295,6 +314,12 @@ class _Collector(Collector):
             "Streams the predictor learned from, per endpoint (TTFT at the first byte, TPOT at the end).",
             labels=["endpoint", "target"],
         )
+        sampled_out = CounterMetricFamily(
+            "servegate_latency_prediction_sampled_out",
+            "Streams the predictor did not learn from because their endpoint was over the "
+            "learning-rate cap (pool latency.learn_per_s).",
+            labels=["endpoint"],
+        )
         backlog = GaugeMetricFamily(
             "servegate_latency_backlog_tokens",
             "Uncached prompt tokens sent per endpoint with no first token yet, each for the share "
@@ -307,6 +332,7 @@ class _Collector(Collector):
                 if acc.observations:
                     mape.add_metric([address, target], acc.mape)
                 observations.add_metric([address, target], acc.observations)
+            sampled_out.add_metric([address], model.sampled_out)
             backlog.add_metric([address], model.backlog(now))
         slo = CounterMetricFamily(
             "servegate_latency_slo_requests",
@@ -320,4 +346,4 @@ class _Collector(Collector):
             "Sheddable requests latency-slo-admitter turned away (429 rejected-slo).",
         )
         shed.add_metric([], routing.shed)
-        yield from (mape, observations, backlog, slo, shed)
+        yield from (mape, observations, sampled_out, backlog, slo, shed)

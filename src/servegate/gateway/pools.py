@@ -98,6 +98,7 @@ def build_pool_state(
     )
     state = PoolState(
         settings, outlier, pool, engines, detector,
+        latency=settings.latency.predictor(),
         triton_tokens=TritonTokenCounts.from_pool(settings),
     )  # fmt: skip
     predictor = state.latency

@@ -50,6 +50,10 @@ one is costed as slower at once, also for requests unlike those it has seen, and
 endpoint that differs otherwise moves away as its own data arrives. Before an endpoint
 has taught any TTFT, a request of its still waiting past its predicted first token is
 the only evidence of its speed (`cold_factor`).
+
+Learning is capped per endpoint (`sample`, `learn_per_s`): the gateway asks once per
+stream whether to learn from it; below the cap every stream is learned, above it an
+evenly spaced `learn_per_s` a second, the rest only releasing their backlog.
 """
 
 from __future__ import annotations
@@ -106,6 +110,10 @@ RATE_WINDOW_S = 10.0
 RATIO_WINDOW = 50
 """Recent actual / predicted ratios kept per endpoint and target: the measured error an
 irreversible decision (shedding) is weighed against."""
+LEARN_PER_S = 100.0
+"""Default cap on the streams an endpoint's models learn from per second (`sample`)."""
+LEARN_BURST_S = 1.0
+"""`sample`'s bucket holds this many seconds of the cap: bursts under it are all learned."""
 
 
 def _no_ratios() -> deque[float]:
@@ -199,6 +207,12 @@ class EndpointModel:
     recent_at: float = 0.0
     ttft_speed: Speed = field(default_factory=Speed)
     tpot_speed: Speed = field(default_factory=Speed)
+    learn_budget: float = math.inf
+    """Streams `sample` may still let this endpoint learn from, as of `learn_budget_at`
+    (full to start with: clipped to the bucket's size when first read)."""
+    learn_budget_at: float = -math.inf
+    sampled_out: int = 0
+    """Streams not learned from because the endpoint was over the learning-rate cap."""
 
     def backlog(self, now: float) -> int:
         """Uncached prompt tokens dispatched here whose prefill is not done by `now` (no
@@ -352,8 +366,11 @@ class LatencyPredictor:
         forgetting: float = 0.995,
         prior_weight: float = 1.0,
         endpoint_prior_weight: float = 5.0,
+        learn_per_s: float | None = LEARN_PER_S,
     ) -> None:
         self.forgetting = forgetting
+        self.learn_per_s = learn_per_s or 0.0
+        """Streams per second and endpoint `sample` lets through (0: every one)."""
         self.prior_weight = prior_weight
         """How many observations the fixed prior of the pool-wide models is worth."""
         self.endpoint_prior_weight = endpoint_prior_weight
@@ -475,14 +492,20 @@ class LatencyPredictor:
         backlog = 0.0
         prefilling = 0
         rate = 0.0
+        worst = 1.0
         if model is None:
             a = self.pool_ttft.theta
             b = self.pool_tpot.theta
+            cold = True
         else:
             a = model.ttft.theta if model.ttft.effective_n > 0.0 else self.pool_ttft.theta
             b = model.tpot.theta if model.tpot.effective_n > 0.0 else self.pool_tpot.theta
+            cold = model.ttft_error.observations == 0
             if model.pending:
-                tokens, prefilling = model.load(now)
+                if cold:  # how overdue its first tokens are, in the same pass
+                    tokens, prefilling, worst = model.scan(now)
+                else:
+                    tokens, prefilling = model.load(now)
                 backlog = tokens / 1000.0
             if model.recent_tokens > 0.0:
                 rate = model.recent_rate(now)
@@ -496,8 +519,8 @@ class LatencyPredictor:
             info = m.lora
             if info is None or lora not in info.running:
                 ttft += a[8]
-        if model is None or model.ttft_error.observations == 0:
-            ttft *= self.cold_factor(model, now)
+        if cold:
+            ttft *= self._cold_factor(model, worst, now)
         tpot = b[0] + b[1] * decoding + b[2] * prefill + b[3] * rate + b[4] * waiting + b[5] * kv
         return (ttft if ttft > MIN_MS else MIN_MS, tpot if tpot > MIN_MS else MIN_MS)
 
@@ -517,6 +540,42 @@ class LatencyPredictor:
         return worst
 
     # -- writes (the gateway, outside scheduling) ---------------------------------------
+    def sample(self, address: str, now: float) -> bool:
+        """Whether the endpoint's models should learn from a stream whose first
+        observation is in at `now`; asked once per stream, its answer holds for both
+        of the stream's observations (TTFT and TPOT).
+
+        A token bucket per endpoint, refilled at `learn_per_s` and holding
+        `LEARN_BURST_S` of it (at least one stream): below the cap every stream is learned (the predictions
+        are those of an uncapped predictor); above it, `learn_per_s` streams a second,
+        spread evenly, and the rest only release their backlog. Learning costs four
+        statistics updates and solves per stream; past a few hundred streams a second
+        more of them add CPU, not accuracy, and the forgetting (per observation) would
+        otherwise shrink the models' memory to a fraction of a second. `now` need not
+        increase from call to call (the first byte of a stream is noticed at a later
+        request's arrival, which may have waited in a queue): an earlier `now` refills
+        nothing, and the bucket refills from the latest one seen.
+        """
+        rate = self.learn_per_s
+        if rate <= 0.0:
+            return True
+        model = self.model(address)
+        budget = model.learn_budget
+        if now > model.learn_budget_at:
+            budget += (now - model.learn_budget_at) * rate
+            model.learn_budget_at = now
+            full = rate * LEARN_BURST_S
+            if full < 1.0:  # a cap under one a second still lets one stream through
+                full = 1.0
+            if budget > full:
+                budget = full
+        if budget >= 1.0:
+            model.learn_budget = budget - 1.0
+            return True
+        model.learn_budget = budget
+        model.sampled_out += 1
+        return False
+
     def dispatched(
         self,
         address: str,
