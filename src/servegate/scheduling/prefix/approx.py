@@ -26,8 +26,8 @@ from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.factory import Parameters, PluginContext, decode_parameters
 from servegate.scheduling.framework import CycleState, Decision
 from servegate.scheduling.prefix.hashing import (
+    RecentChains,
     chain_seed,
-    char_block_hashes,
     keyed_seed,
     token_block_hashes,
 )
@@ -403,6 +403,7 @@ class PrefixCacheScorer:
         """The `PrefixProducer` this scorer reads, once bound; None = its own index."""
         self._may_bind_default = producer_name is None and not own_index_configured
         self._chars_per_block = params.chars_per_block()
+        self._recent = RecentChains(self._chars_per_block, params.max_prefix_blocks_to_match)
         self._seeds: dict[tuple[str, str | None, bytes | None], int] = {}
 
     @classmethod
@@ -468,9 +469,7 @@ class PrefixCacheScorer:
             if request.cache.get(PARTIAL_KEY):
                 keys = self._pad(request, keys)
         else:
-            keys = char_block_hashes(
-                request.prompt, self._chars_per_block, seed, p.max_prefix_blocks_to_match
-            )
+            keys = self._recent.keys(request.prompt, seed)
         request.cache[cache_key] = keys
         return keys
 
