@@ -223,6 +223,8 @@ class ApproxPrefixIndex:
             pass
         else:
             where = self._where
+            setdefault, pop = where.setdefault, where.pop
+            limit = lru.capacity
             refresh = held.move_to_end
             alone = self._alone.get(address)
             if alone is None:
@@ -232,23 +234,22 @@ class ApproxPrefixIndex:
                     refresh(key)  # held already, so `where` names this address for it
                     continue
                 held[key] = None
-                holders = where.get(key)
-                if holders is None:
-                    where[key] = alone
-                elif type(holders) is set:
-                    holders.add(address)
-                else:
-                    where[key] = {*holders, address}
-                if len(held) > lru.capacity:
+                # one look-up: `alone` is this address's, and it does not hold `key` yet
+                holders = setdefault(key, alone)
+                if holders is not alone:
+                    if type(holders) is set:
+                        holders.add(address)
+                    else:
+                        where[key] = {*holders, address}
+                if len(held) > limit:
+                    # one look-up for the usual key held alone (by this address); a shared
+                    # key's set goes back without this address
                     evicted = held.popitem(last=False)[0]
-                    gone = where.get(evicted)
-                    if gone is not None:
-                        if type(gone) is set:
-                            gone.discard(address)
-                            if not gone:
-                                del where[evicted]
-                        else:  # held alone, and by this address, which held it
-                            del where[evicted]
+                    gone = pop(evicted, None)
+                    if type(gone) is set:
+                        gone.discard(address)
+                        if gone:
+                            where[evicted] = gone
         if len(held) >= lru.capacity:
             lru.evictions += 1  # this call may have evicted: every eviction leaves it full
         lru.touches += len(keys)
