@@ -32,6 +32,7 @@ from servegate.scheduling.scheduler import (
     TotalsView,
     add_weighted,
     clamp,
+    fused_totals,
     result_as_dict,
     weighted_totals,
 )
@@ -527,10 +528,12 @@ def test_small_pool_sums_equal_the_column_by_column_sums(
     for column, w in zip(columns, weights, strict=False):
         by_column = add_weighted(by_column, column, w)
     fused = weighted_totals(columns, weights[: len(columns)])
+    generated = fused_totals(weights[: len(columns)])(columns)
     if by_column is None:
-        assert fused == []
+        assert fused == generated == []
     else:
         assert fused == by_column
+        assert generated == by_column
 
 
 def test_small_and_large_pools_rank_and_total_alike() -> None:

@@ -292,6 +292,8 @@ class _Plan:
     """The scorers' bound `score` methods, in order."""
     names: list[str]
     weights: list[float]
+    fused: Callable[[Sequence[Sequence[float]]], list[float]]
+    """`weighted_totals` with these weights, one comprehension (`fused_totals`)."""
     picker: Picker
     picker_timing: PluginTiming
     shortlisters: tuple[Shortlister, ...]
@@ -337,6 +339,38 @@ def weighted_totals(raws: Sequence[Sequence[float]], weights: Sequence[float]) -
             total += w if x >= 1.0 else (w * x if x > 0.0 else 0.0)
         append(total)
     return out
+
+
+def fused_totals(
+    weights: Sequence[float],
+) -> Callable[[Sequence[Sequence[float]]], list[float]]:
+    """`weighted_totals` for these weights, as one comprehension: per endpoint
+    `0.0 + w0·clamp(x0) + w1·clamp(x1) + …`, the same expressions added in the same order
+    (so the same floats), with no inner loop and no pairing of weights with scores.
+
+    Built once per profile (its scorers and weights are fixed) from source text that names
+    only generated identifiers; the weights are closure variables, never text. Costs
+    0.8–0.9 µs against 1.2–1.6 for `weighted_totals` with 7 scorers over 1–2 endpoints,
+    2.2 against 5.0 over 8 (one `timeit` run).
+    """
+    k = len(weights)
+    if k == 0:
+        return lambda raws: []
+    xs = ", ".join(f"x{i}" for i in range(k))
+    terms = " + ".join(
+        f"(w{i} if x{i} >= 1.0 else (w{i} * x{i} if x{i} > 0.0 else 0.0))" for i in range(k)
+    )
+    ws = ", ".join(f"w{i}" for i in range(k))
+    source = (
+        f"def make({ws}):\n"
+        f"    def totals(raws):\n"
+        f"        return [0.0 + {terms} for ({xs},) in zip(*raws, strict=True)]\n"
+        f"    return totals\n"
+    )
+    namespace: dict[str, Any] = {}
+    exec(compile(source, f"<fused_totals {k}>", "exec"), namespace)
+    made: Callable[[Sequence[Sequence[float]]], list[float]] = namespace["make"](*weights)
+    return made
 
 
 def _wrong_length(plan: _Plan, raws: list[Sequence[float]], n: int) -> ValueError:
@@ -529,6 +563,7 @@ class Scheduler:
             score_calls=tuple(ws.scorer.score for ws in profile.scorers),
             names=[ws.scorer.name for ws in profile.scorers],
             weights=[ws.weight for ws in profile.scorers],
+            fused=fused_totals([ws.weight for ws in profile.scorers]),
             picker=profile.picker,
             picker_timing=timings[(PICKER, profile.picker.name)],
             shortlisters=tuple(
@@ -603,7 +638,7 @@ class Scheduler:
             totals = [0.0] * n
         elif n <= FUSED_LIMIT:
             try:
-                totals = weighted_totals(raws, plan.weights)  # (unequal lengths: ValueError)
+                totals = plan.fused(raws)  # (unequal lengths: ValueError)
             except ValueError:
                 totals = []
             if len(totals) != n:
