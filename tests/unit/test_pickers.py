@@ -50,6 +50,39 @@ def test_max_score_picker_ranks_by_score(scores: list[float], expected: list[int
     assert positions(ranked, eps) == expected
 
 
+def _ranked_by_sorting(rng: random.Random, scores: list[float]) -> tuple[list[int], float]:
+    """The max-score ranking of any pool, written out: a rotation from a random offset,
+    a stable descending sort, one of the tied leaders swapped to the front; and the next
+    number the rng gives (to check how much of it was used)."""
+    n = len(scores)
+    offset = rng.randrange(n)
+    order = [*range(offset, n), *range(offset)]
+    order.sort(key=scores.__getitem__, reverse=True)
+    tied = 1
+    while tied < n and scores[order[tied]] == scores[order[0]]:
+        tied += 1
+    if tied > 1:
+        j = rng.randrange(tied)
+        order[0], order[j] = order[j], order[0]
+    return order, rng.random()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_max_score_picker_ranks_two_as_the_sort_does(seed: int) -> None:
+    """Two endpoints take a shortcut: the same ranking, the same draws from the rng, for
+    scores with ties, NaN and signed zeros."""
+    values = [0.0, -0.0, 0.5, 1.0, 2.5, float("nan"), float("inf")]
+    draw = random.Random(seed)
+    eps = pool(2)
+    for trial in range(300):
+        scores = [draw.choice(values), draw.choice(values)]
+        rng = random.Random(trial)
+        ranked = MaxScorePicker().pick(CycleState(now=0.0, rng=rng), REQUEST, eps, scores)
+        expected, after = _ranked_by_sorting(random.Random(trial), scores)
+        assert positions(ranked, eps) == expected, scores
+        assert rng.random() == after, scores
+
+
 def test_max_score_picker_breaks_ties_for_first_place_at_random_but_reproducibly() -> None:
     eps = pool(4)
     scores = [1.0, 2.0, 2.0, 2.0]

@@ -11,7 +11,12 @@ from servegate.scheduling.prefix.approx import (
     ApproxPrefixParameters,
     PrefixCacheScorer,
 )
-from servegate.scheduling.prefix.hashing import chain_seed, char_block_hashes, token_block_hashes
+from servegate.scheduling.prefix.hashing import (
+    RecentChains,
+    chain_seed,
+    char_block_hashes,
+    token_block_hashes,
+)
 from servegate.scheduling.request import LLMRequest, RequestKind
 
 
@@ -47,6 +52,33 @@ def test_char_hashes_chain_and_drop_partial_block() -> None:
     assert a == b[:2]  # same prefix, same keys
     assert b[2] != b[1]
     assert len(char_block_hashes("a" * 100, 4, seed, 5)) == 5  # maxPrefixBlocksToMatch
+
+
+@pytest.mark.parametrize("limit", [1, 3, 256], ids=["limit-1", "limit-3", "limit-256"])
+def test_recent_chains_give_the_keys_char_block_hashes_gives(limit: int) -> None:
+    rng = random.Random(limit)
+    recent = RecentChains(4, 12, limit)
+    seeds = [chain_seed("m"), chain_seed("n"), chain_seed("m", "a1")]
+    sent: list[str] = []
+    for _ in range(3000):
+        shape = rng.randrange(6)
+        if sent and shape == 0:  # sent again
+            text = rng.choice(sent)
+        elif sent and shape == 1:  # the next turn: the last prompt plus more
+            text = rng.choice(sent) + "".join(rng.choices("abé", k=rng.randrange(9)))
+        elif sent and shape == 2:  # a leading part of one
+            old = rng.choice(sent)
+            text = old[: rng.randrange(len(old) + 1)]
+        elif sent and shape == 3:  # the same start, then a change somewhere
+            old = rng.choice(sent)
+            cut = rng.randrange(len(old) + 1)
+            text = old[:cut] + rng.choice("xyé") + old[cut + 1 :]
+        else:  # a new prompt (short alphabet: shared first blocks are common)
+            text = "".join(rng.choices("ab", k=rng.randrange(60)))
+        sent.append(text)
+        seed = rng.choice(seeds)
+        # (max 12 blocks: prompts longer than 48 bytes are cut, as maxPrefixBlocksToMatch does)
+        assert recent.keys(text, seed) == char_block_hashes(text, 4, seed, 12), text
 
 
 def test_seed_separates_models_and_adapters() -> None:

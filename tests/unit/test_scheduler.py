@@ -32,6 +32,8 @@ from servegate.scheduling.scheduler import (
     TotalsView,
     add_weighted,
     clamp,
+    fused_row,
+    fused_totals,
     result_as_dict,
     weighted_totals,
 )
@@ -527,10 +529,36 @@ def test_small_pool_sums_equal_the_column_by_column_sums(
     for column, w in zip(columns, weights, strict=False):
         by_column = add_weighted(by_column, column, w)
     fused = weighted_totals(columns, weights[: len(columns)])
+    generated = fused_totals(weights[: len(columns)])(columns)
     if by_column is None:
-        assert fused == []
+        assert fused == generated == []
     else:
         assert fused == by_column
+        assert generated == by_column
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    columns=st.lists(
+        st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=3, max_size=3),
+        min_size=0,
+        max_size=7,
+    ),
+    weights=st.lists(st.floats(min_value=0.0, max_value=10.0), min_size=7, max_size=7),
+)
+def test_a_generated_row_equals_the_weighted_row(
+    columns: list[list[float]], weights: list[float]
+) -> None:
+    """`fused_row` writes out `ScoreTable.weighted_row`'s expression per scorer: the same
+    floats for every position (NaN scores 0, anything ≥ 1 the weight)."""
+    used = weights[: len(columns)]
+    eps = pool(3)
+    names = [f"s{i}" for i in range(len(columns))]
+    plain = ScoreTable(eps, names, used, list(columns))
+    written = ScoreTable(eps, names, used, list(columns), fused_row(used))
+    for s in eps:
+        assert written.weighted_row(s) == plain.weighted_row(s)
+    assert written.weighted_row(endpoint_state("10.9.9.9:1")) is None
 
 
 def test_small_and_large_pools_rank_and_total_alike() -> None:

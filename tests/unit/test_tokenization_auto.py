@@ -334,6 +334,36 @@ async def test_a_readable_model_folder_is_used_locally(
     assert tok.stats.engine_cache_hits > 0
 
 
+async def test_a_model_settled_without_ids_is_not_prepared_until_it_is_due_again(
+    aiohttp_server: Any, session: aiohttp.ClientSession
+) -> None:
+    ep = await fake_engine(aiohttp_server, None)
+    tok = auto_tokenizers(session)
+    first = completion("first words", "r1")
+    assert tok.needs_prepare(first)  # a model not seen yet: discovery runs
+    assert await ids_of(tok, first, ep) is None
+    await settle(tok)
+    mt = model_tokenizer(tok)
+    assert mt.status.source == "chars"
+    # settled on no ids: the gateway skips the await, and `prepare` would have given none
+    later = completion("more words", "r2")
+    assert not tok.needs_prepare(later)
+    assert await ids_of(tok, later, ep) is None
+    assert mt._ready.is_set()
+    # due to be asked again: prepared, and that starts the rediscovery
+    mt._rediscover_at = 0.0
+    again = completion("again words", "r3")
+    assert tok.needs_prepare(again)
+    await ids_of(tok, again, ep)
+    await settle(tok)
+    assert mt._rediscover_at > 0.0  # asked again, and due again later
+    assert not tok.needs_prepare(completion("then", "r5"))
+    # ids already there: nothing to prepare
+    given = completion("given", "r4")
+    given.cache["token_ids"] = [1, 2, 3]
+    assert not tok.needs_prepare(given)
+
+
 async def test_discovery_never_holds_routing_and_a_model_without_source_is_asked_again(
     aiohttp_server: Any, session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
 ) -> None:

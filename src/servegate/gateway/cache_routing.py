@@ -40,8 +40,9 @@ class CacheRouting:
     janitor: IndexJanitor | None = None
 
     async def prepare(self, request: LLMRequest, candidates: Sequence[EndpointState]) -> None:
-        if self.tokenizers is not None:
-            await self.tokenizers.prepare(request, candidates)
+        tokenizers = self.tokenizers
+        if tokenizers is not None and tokenizers.needs_prepare(request):
+            await tokenizers.prepare(request, candidates)
 
     def headers(self, request: LLMRequest, decision: Decision, out: dict[str, str]) -> None:
         for plugin in self.header_plugins:

@@ -22,13 +22,22 @@ from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.request import LLMRequest
 
 
-@dataclass(slots=True)
 class CycleState:
-    """Per-cycle inputs and scratch space: the clock and randomness come from here."""
+    """Per-cycle inputs and scratch space: the clock and randomness come from here.
 
-    now: float
-    rng: random.Random
-    data: dict[str, Any] = field(default_factory=dict)
+    A plain slotted class, built once per request: its `__init__` is cheaper than a
+    dataclass's with a default factory.
+    """
+
+    __slots__ = ("data", "now", "rng")
+
+    def __init__(self, now: float, rng: random.Random, data: dict[str, Any] | None = None) -> None:
+        self.now = now
+        self.rng = rng
+        self.data: dict[str, Any] = {} if data is None else data
+
+    def __repr__(self) -> str:
+        return f"CycleState(now={self.now!r}, data={self.data!r})"
 
 
 @runtime_checkable

@@ -77,6 +77,15 @@ class MaxScorePicker(_Picker):
             ties = [i for i, s in enumerate(scores) if s == best]
             return [endpoints[ties[rng.randrange(len(ties))] if len(ties) > 1 else ties[0]]]
         offset = rng.randrange(n)
+        if n == 2 and k == 2:
+            # what the general path does for two: the stable descending sort keeps the
+            # order from `offset` unless the second scores higher (`<`, so NaN keeps it)
+            a, b = (0, 1) if offset == 0 else (1, 0)
+            if scores[a] < scores[b]:
+                a, b = b, a
+            if scores[b] == scores[a] and rng.randrange(2):
+                a, b = b, a
+            return [endpoints[a], endpoints[b]]
         order = list(range(offset, n))
         order.extend(range(offset))
         order.sort(key=scores.__getitem__, reverse=True)

@@ -129,7 +129,7 @@ class ScoreTable(Mapping[str, Mapping[str, float]]):
     when a row is read, exactly as they did for the totals.
     """
 
-    __slots__ = ("_endpoints", "_index", "_names", "_raw", "_weights")
+    __slots__ = ("_endpoints", "_index", "_names", "_raw", "_row", "_weights")
 
     def __init__(
         self,
@@ -137,11 +137,14 @@ class ScoreTable(Mapping[str, Mapping[str, float]]):
         names: list[str],
         weights: list[float],
         raw: list[Sequence[float]],
+        row: Row | None = None,
     ) -> None:
         self._endpoints = endpoints
         self._names = names
         self._weights = weights
         self._raw = raw
+        self._row = row
+        """`fused_row(weights)`, when the profile built one: `weighted_row` written out."""
         self._index: dict[str, int] | None = None
 
     def _position(self, address: str) -> int:
@@ -175,6 +178,8 @@ class ScoreTable(Mapping[str, Mapping[str, float]]):
             i = self._endpoints.index(state)  # by identity, in C
         except ValueError:
             return None
+        if self._row is not None:
+            return self._row(self._raw, i)
         return [
             w if (x := column[i]) >= 1.0 else (w * x if x > 0.0 else 0.0)
             for w, column in zip(self._weights, self._raw, strict=True)
@@ -292,6 +297,10 @@ class _Plan:
     """The scorers' bound `score` methods, in order."""
     names: list[str]
     weights: list[float]
+    fused: Totals
+    """`weighted_totals` with these weights, one comprehension (`fused_totals`)."""
+    row: Row
+    """A picked endpoint's weighted scores with these weights (`fused_row`)."""
     picker: Picker
     picker_timing: PluginTiming
     shortlisters: tuple[Shortlister, ...]
@@ -337,6 +346,60 @@ def weighted_totals(raws: Sequence[Sequence[float]], weights: Sequence[float]) -
             total += w if x >= 1.0 else (w * x if x > 0.0 else 0.0)
         append(total)
     return out
+
+
+Totals = Callable[[Sequence[Sequence[float]]], list[float]]
+Row = Callable[[Sequence[Sequence[float]], int], list[float]]
+
+
+def _with_weights(name: str, weights: Sequence[float], body: str) -> Any:
+    """Function `name` compiled from `body`, with the weights as closure variables
+    `w0, w1, …` (the source text names only generated identifiers, never a value)."""
+    ws = ", ".join(f"w{i}" for i in range(len(weights)))
+    source = f"def make({ws}):\n{body}    return {name}\n"
+    namespace: dict[str, Any] = {}
+    exec(compile(source, f"<{name} {len(weights)}>", "exec"), namespace)
+    return namespace["make"](*weights)
+
+
+def _clamped(i: int, x: str) -> str:
+    return f"(w{i} if {x} >= 1.0 else (w{i} * x{i} if x{i} > 0.0 else 0.0))"
+
+
+def fused_totals(weights: Sequence[float]) -> Totals:
+    """`weighted_totals` for these weights, as one comprehension: per endpoint
+    `0.0 + w0·clamp(x0) + w1·clamp(x1) + …`, the same expressions added in the same order
+    (so the same floats), with no inner loop and no pairing of weights with scores.
+
+    Built once per profile (its scorers and weights are fixed). Costs 0.8–0.9 µs against
+    1.2–1.6 for `weighted_totals` with 7 scorers over 1–2 endpoints, 2.2 against 5.0
+    over 8 (one `timeit` run).
+    """
+    k = len(weights)
+    if k == 0:
+        return lambda raws: []
+    xs = ", ".join(f"x{i}" for i in range(k))
+    terms = " + ".join(_clamped(i, f"x{i}") for i in range(k))
+    body = (
+        "    def totals(raws):\n"
+        f"        return [0.0 + {terms} for ({xs},) in zip(*raws, strict=True)]\n"
+    )
+    made: Totals = _with_weights("totals", weights, body)
+    return made
+
+
+def fused_row(weights: Sequence[float]) -> Row:
+    """`ScoreTable.weighted_row`'s values for position `i`: `[w0·clamp(raws[0][i]), …]`,
+    the same expressions, written out per scorer (0.24 against 0.79 µs for 7 scorers,
+    one `timeit` run). `raws` must hold one column per weight (else ValueError)."""
+    k = len(weights)
+    if k == 0:
+        return lambda raws, i: []
+    rs = ", ".join(f"r{j}" for j in range(k))
+    items = ", ".join(_clamped(j, f"(x{j} := r{j}[i])") for j in range(k))
+    body = f"    def row(raws, i):\n        ({rs},) = raws\n        return [{items}]\n"
+    made: Row = _with_weights("row", weights, body)
+    return made
 
 
 def _wrong_length(plan: _Plan, raws: list[Sequence[float]], n: int) -> ValueError:
@@ -529,6 +592,8 @@ class Scheduler:
             score_calls=tuple(ws.scorer.score for ws in profile.scorers),
             names=[ws.scorer.name for ws in profile.scorers],
             weights=[ws.weight for ws in profile.scorers],
+            fused=fused_totals([ws.weight for ws in profile.scorers]),
+            row=fused_row([ws.weight for ws in profile.scorers]),
             picker=profile.picker,
             picker_timing=timings[(PICKER, profile.picker.name)],
             shortlisters=tuple(
@@ -603,7 +668,7 @@ class Scheduler:
             totals = [0.0] * n
         elif n <= FUSED_LIMIT:
             try:
-                totals = weighted_totals(raws, plan.weights)  # (unequal lengths: ValueError)
+                totals = plan.fused(raws)  # (unequal lengths: ValueError)
             except ValueError:
                 totals = []
             if len(totals) != n:
@@ -626,7 +691,7 @@ class Scheduler:
             ranked = [*ranked, *spare]
         return ProfileResult(
             ranked=ranked,
-            scores=ScoreTable(endpoints, plan.names, plan.weights, raws),
+            scores=ScoreTable(endpoints, plan.names, plan.weights, raws, plan.row),
             totals=TotalsView(endpoints, totals),
         )
 

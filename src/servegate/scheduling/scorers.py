@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Self
 
 from pydantic import Field, field_validator
 
-from servegate.pool.endpoint import EndpointMetrics, EndpointState
+from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.factory import (
     ParameterlessPlugin,
     Parameters,
@@ -35,10 +35,9 @@ from servegate.scheduling.request import LLMRequest
 NAN = float("nan")
 
 
-def _metrics(endpoints: list[EndpointState]) -> list[EndpointMetrics]:
-    """The endpoints' metrics; a scorer reads `m.x if m.scraped_at > 0.0 else NAN` (NaN
-    while no scrape of the endpoint was ever accepted), inline, once per endpoint."""
-    return [s.metrics for s in endpoints]
+# A scorer reads `m.x if m.scraped_at > 0.0 else NAN` (NaN while no scrape of the endpoint
+# was ever accepted) in one comprehension, `for s in endpoints for m in [s.metrics]` (the
+# inner loop over one item is compiled to an assignment: no second list, no call).
 
 
 LEGACY_KV_CACHE_TYPE = "kv-cache-scorer"
@@ -77,7 +76,7 @@ class QueueScorer(ParameterlessPlugin):
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
     ) -> list[float]:
         return inverted_min_max(
-            [m.waiting if m.scraped_at > 0.0 else NAN for m in _metrics(endpoints)]
+            [m.waiting if m.scraped_at > 0.0 else NAN for s in endpoints for m in [s.metrics]]
         )
 
 
@@ -91,7 +90,7 @@ class RunningRequestsSizeScorer(ParameterlessPlugin):
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
     ) -> list[float]:
         return inverted_min_max(
-            [m.running if m.scraped_at > 0.0 else NAN for m in _metrics(endpoints)]
+            [m.running if m.scraped_at > 0.0 else NAN for s in endpoints for m in [s.metrics]]
         )
 
 
@@ -104,7 +103,9 @@ class KVCacheUtilizationScorer(ParameterlessPlugin):
     def score(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
     ) -> list[float]:
-        return [1.0 - m.kv_usage if m.scraped_at > 0.0 else NAN for m in _metrics(endpoints)]
+        return [
+            1.0 - m.kv_usage if m.scraped_at > 0.0 else NAN for s in endpoints for m in [s.metrics]
+        ]
 
 
 _GO_DURATION = re.compile(r"^(?:\d+(?:\.\d+)?(?:ns|us|µs|ms|s|m|h))+$")
@@ -191,7 +192,9 @@ class LoadAwareScorer:
         half_per_request = 0.5 / t
         return [
             0.5 - q * half_per_request if q < t else 0.0
-            for q in [m.waiting if m.scraped_at > 0.0 else NAN for m in _metrics(endpoints)]
+            for q in [
+                m.waiting if m.scraped_at > 0.0 else NAN for s in endpoints for m in [s.metrics]
+            ]
         ]
 
 

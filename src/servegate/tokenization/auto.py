@@ -196,6 +196,16 @@ class ModelTokenizer:
             if self.status.source == "chars":
                 self._rediscover_at = time.monotonic() + REDISCOVER_S
 
+    def settled_without_ids(self) -> bool:
+        """Whether `ids` would answer None at once: the model settled on no source (`chars`)
+        and is not due to be asked again. The common case with nothing configured in front
+        of replicas that expose no tokenizer; checked without a coroutine per request."""
+        return (
+            self.status.source == "chars"
+            and self._ready.is_set()
+            and time.monotonic() < self._rediscover_at
+        )
+
     def _maybe_rediscover(self) -> None:
         """A model found without a source is asked again now and then (a replica that
         was down, or started later)."""
@@ -634,6 +644,12 @@ class AutoTokenizer:
         self, request: LLMRequest, candidates: Sequence[EndpointState]
     ) -> list[int] | None:
         return await self.for_model(request.base_model).ids(request, candidates)
+
+    def settled_without_ids(self, request: LLMRequest) -> bool:
+        """Whether `ids` would answer None at once for `request`'s model (see
+        `ModelTokenizer.settled_without_ids`); False for a model not seen yet."""
+        tok = self.models.get(request.base_model)
+        return tok is not None and tok.settled_without_ids()
 
     async def close(self) -> None:
         for tok in self.models.values():

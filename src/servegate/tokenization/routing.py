@@ -110,6 +110,19 @@ class RoutingTokenizers:
                     return models[name]
         return self._default
 
+    def needs_prepare(self, request: LLMRequest) -> bool:
+        """Whether `prepare` could do anything for `request`: False when its ids are there
+        already, no source is configured for its model, or the source is one that has
+        settled on giving none (`auto` in front of replicas with no tokenizer), so the
+        caller need not create and await `prepare`'s coroutine."""
+        if TOKEN_IDS_KEY in request.cache:
+            return False
+        tok = self.for_request(request)
+        if tok is None:
+            return False
+        slow = self._async.get(id(tok))
+        return slow is None or not slow.settled_without_ids(request)
+
     async def prepare(self, request: LLMRequest, candidates: Sequence[EndpointState]) -> None:
         """Put the request's token ids in `request.cache` (when a source can say them)."""
         if TOKEN_IDS_KEY in request.cache:

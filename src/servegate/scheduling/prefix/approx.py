@@ -26,8 +26,8 @@ from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.factory import Parameters, PluginContext, decode_parameters
 from servegate.scheduling.framework import CycleState, Decision
 from servegate.scheduling.prefix.hashing import (
+    RecentChains,
     chain_seed,
-    char_block_hashes,
     keyed_seed,
     token_block_hashes,
 )
@@ -223,6 +223,8 @@ class ApproxPrefixIndex:
             pass
         else:
             where = self._where
+            setdefault, pop = where.setdefault, where.pop
+            limit = lru.capacity
             refresh = held.move_to_end
             alone = self._alone.get(address)
             if alone is None:
@@ -232,23 +234,22 @@ class ApproxPrefixIndex:
                     refresh(key)  # held already, so `where` names this address for it
                     continue
                 held[key] = None
-                holders = where.get(key)
-                if holders is None:
-                    where[key] = alone
-                elif type(holders) is set:
-                    holders.add(address)
-                else:
-                    where[key] = {*holders, address}
-                if len(held) > lru.capacity:
+                # one look-up: `alone` is this address's, and it does not hold `key` yet
+                holders = setdefault(key, alone)
+                if holders is not alone:
+                    if type(holders) is set:
+                        holders.add(address)
+                    else:
+                        where[key] = {*holders, address}
+                if len(held) > limit:
+                    # one look-up for the usual key held alone (by this address); a shared
+                    # key's set goes back without this address
                     evicted = held.popitem(last=False)[0]
-                    gone = where.get(evicted)
-                    if gone is not None:
-                        if type(gone) is set:
-                            gone.discard(address)
-                            if not gone:
-                                del where[evicted]
-                        else:  # held alone, and by this address, which held it
-                            del where[evicted]
+                    gone = pop(evicted, None)
+                    if type(gone) is set:
+                        gone.discard(address)
+                        if gone:
+                            where[evicted] = gone
         if len(held) >= lru.capacity:
             lru.evictions += 1  # this call may have evicted: every eviction leaves it full
         lru.touches += len(keys)
@@ -403,6 +404,7 @@ class PrefixCacheScorer:
         """The `PrefixProducer` this scorer reads, once bound; None = its own index."""
         self._may_bind_default = producer_name is None and not own_index_configured
         self._chars_per_block = params.chars_per_block()
+        self._recent = RecentChains(self._chars_per_block, params.max_prefix_blocks_to_match)
         self._seeds: dict[tuple[str, str | None, bytes | None], int] = {}
 
     @classmethod
@@ -468,9 +470,7 @@ class PrefixCacheScorer:
             if request.cache.get(PARTIAL_KEY):
                 keys = self._pad(request, keys)
         else:
-            keys = char_block_hashes(
-                request.prompt, self._chars_per_block, seed, p.max_prefix_blocks_to_match
-            )
+            keys = self._recent.keys(request.prompt, seed)
         request.cache[cache_key] = keys
         return keys
 

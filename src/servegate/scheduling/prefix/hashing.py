@@ -42,6 +42,81 @@ def char_block_hashes(text: str, block_chars: int, seed: int, max_blocks: int) -
     return out
 
 
+RECENT_PROMPTS = 256
+"""`RecentChains`: prompts remembered (one per model seed and first block); with the
+default 256 blocks to match at most 256 × 64 bytes each, so about 4 MB at worst."""
+
+
+class RecentChains:
+    """`char_block_hashes` that hashes only the blocks the latest prompt with the same
+    first block key did not have.
+
+    A prompt sent again, the next turn of a conversation (the last prompt plus more) and
+    prompts behind one system prompt share their leading blocks with a prompt hashed
+    before; those blocks' keys are taken from it after comparing the bytes (in C), and
+    only the rest is hashed, one Python step per block. A block's key depends only on
+    its bytes and the key before it, so equal first keys and equal bytes give equal keys:
+    the keys are those `char_block_hashes` gives (a test compares them on random
+    prompts). The lists returned are shared with the memo, as `request.cache`'s are with
+    every scorer that reads them: callers must not change them.
+    """
+
+    __slots__ = ("_latest", "block_chars", "limit", "max_blocks")
+
+    def __init__(self, block_chars: int, max_blocks: int, limit: int = RECENT_PROMPTS) -> None:
+        self.block_chars = block_chars
+        self.max_blocks = max_blocks
+        self.limit = limit
+        self._latest: dict[int, tuple[bytes, list[int]]] = {}
+        """first block's key → the latest such prompt's bytes (its hashed part at least)
+        and keys."""
+
+    def keys(self, text: str, seed: int) -> list[int]:
+        b = self.block_chars
+        data = text.encode("utf-8", "surrogatepass")
+        n = min(len(data) // b, self.max_blocks)
+        if n <= 0:
+            return []
+        span = n * b
+        prev = first = _h(data[:b], seed)
+        latest = self._latest
+        held = latest.get(first)
+        common = 0
+        if held is not None:
+            before, known = held
+            m = min(n, len(known))
+            common = m if data[: m * b] == before[: m * b] else _common_blocks(data, before, b, m)
+        if common:
+            keys = known[:common]
+            if common == n:
+                return keys if common < len(known) else known
+            prev = keys[-1]
+        else:
+            keys = [first]
+            common = 1
+            if held is None and len(latest) >= self.limit:
+                latest.clear()
+        append = keys.append
+        for i in range(common * b, span, b):
+            prev = _h(data[i : i + b], prev)
+            append(prev)
+        latest[first] = (data if len(data) < span + b else data[:span], keys)
+        return keys
+
+
+def _common_blocks(data: bytes, before: bytes, b: int, m: int) -> int:
+    """The most leading `b`-byte blocks (fewer than `m`) `data` and `before` share, by
+    bisection; block `m` is not shared."""
+    lo, hi = 0, m - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if data[: mid * b] == before[: mid * b]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def token_block_hashes(
     tokens: Sequence[int], block_tokens: int, seed: int, max_blocks: int
 ) -> list[int]:

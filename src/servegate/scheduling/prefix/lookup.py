@@ -113,16 +113,19 @@ class CycleMatch:
     match, usually over the same endpoints the first of them was given (the filter passes
     its input on unchanged when nothing is sticky); those get the scores back as they
     are, after one comparison of the lists. Any other list (the filter's survivors) is
-    answered endpoint by endpoint from what was scored so far. `EndpointState` compares
-    and hashes by identity, so both run in C.
+    answered endpoint by endpoint from what was scored so far, once: the scorers after
+    the filter are all handed its one output, so the answer for the last such list is
+    kept too. `EndpointState` compares and hashes by identity, so all of it runs in C.
     """
 
-    __slots__ = ("_by_state", "endpoints", "scores")
+    __slots__ = ("_by_state", "_other", "_other_scores", "endpoints", "scores")
 
     def __init__(self, endpoints: list[EndpointState], scores: Sequence[float]) -> None:
         self.endpoints = list(endpoints)
         self.scores = scores
         self._by_state: dict[EndpointState, float] | None = None
+        self._other: list[EndpointState] | None = None
+        self._other_scores: list[float] = []
 
     def same_list(self, endpoints: list[EndpointState]) -> bool:
         """Whether `endpoints` are the endpoints scored, in the same order."""
@@ -134,6 +137,20 @@ class CycleMatch:
         if known is None:
             known = self._by_state = dict(zip(self.endpoints, self.scores, strict=True))
         return known
+
+    def lookup(self, endpoints: list[EndpointState]) -> Sequence[float] | None:
+        """The scores of `endpoints`, in their order, when every one was scored; else None."""
+        if endpoints == self.endpoints:
+            return self.scores
+        if endpoints == self._other:
+            return self._other_scores
+        try:
+            out = list(map(self.by_state().__getitem__, endpoints))
+        except KeyError:
+            return None
+        self._other = list(endpoints)
+        self._other_scores = out
+        return out
 
 
 def _match_key(name: str) -> str:
@@ -149,12 +166,7 @@ def already_scored(
     shared: CycleMatch | None = cycle.data.get(_match_key(name))
     if shared is None:
         return None
-    if shared.same_list(endpoints):
-        return shared.scores
-    try:
-        return list(map(shared.by_state().__getitem__, endpoints))
-    except KeyError:
-        return None
+    return shared.lookup(endpoints)
 
 
 def prefix_scores(
@@ -167,12 +179,12 @@ def prefix_scores(
         scores = scorer.score(cycle, request, endpoints)
         cycle.data[key] = CycleMatch(endpoints, scores)
         return scores
-    if shared.same_list(endpoints):
-        return shared.scores
+    known_scores = shared.lookup(endpoints)
+    if known_scores is not None:
+        return known_scores
     known = shared.by_state()
     missing = [s for s in endpoints if s not in known]
-    if missing:
-        known.update(zip(missing, scorer.score(cycle, request, missing), strict=True))
+    known.update(zip(missing, scorer.score(cycle, request, missing), strict=True))
     return list(map(known.__getitem__, endpoints))
 
 
