@@ -330,7 +330,7 @@ class Proc:
 def spawn(
     name: str, command: Sequence[str], log_dir: Path, core: int, env: dict[str, str] | None = None
 ) -> Proc:
-    log = log_dir / f"{name}.log"
+    log = log_dir / (re.sub(r"[^\w.@-]", "_", name) + ".log")  # `servegate@/a/src` names
     with log.open("wb") as handle:
         process = subprocess.Popen(
             ["taskset", "-c", str(core), *command],
