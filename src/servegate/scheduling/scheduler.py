@@ -298,7 +298,7 @@ class _Plan:
     names: list[str]
     weights: list[float]
     fused: Totals
-    """`weighted_totals` with these weights, one comprehension (`fused_totals`)."""
+    """The weighted sums per endpoint with these weights, one comprehension (`fused_totals`)."""
     row: Row
     """A picked endpoint's weighted scores with these weights (`fused_row`)."""
     picker: Picker
@@ -330,22 +330,9 @@ def add_weighted(totals: list[float] | None, raw: Sequence[float], w: float) -> 
 
 FUSED_LIMIT = 8
 """Up to this many scored endpoints, the weighted sum is taken endpoint by endpoint once
-every scorer has answered (`weighted_totals`) instead of column by column as each does
-(`add_weighted`): a Python pass per scorer costs more than the arithmetic in a small pool."""
-
-
-def weighted_totals(raws: Sequence[Sequence[float]], weights: Sequence[float]) -> list[float]:
-    """Per endpoint, `Σ w · clamp(raw)` over the scorers, added in scorer order: the same
-    floats as `add_weighted` column by column (which starts from the first weighted value;
-    `0.0 + v` is `v`), empty when there are no endpoints."""
-    out: list[float] = []
-    append = out.append
-    for row in zip(*raws, strict=True):
-        total = 0.0
-        for w, x in zip(weights, row, strict=True):
-            total += w if x >= 1.0 else (w * x if x > 0.0 else 0.0)
-        append(total)
-    return out
+every scorer has answered (the profile's `fused_totals`) instead of column by column as
+each does (`add_weighted`): a Python pass per scorer costs more than the arithmetic in a
+small pool."""
 
 
 Totals = Callable[[Sequence[Sequence[float]]], list[float]]
@@ -367,13 +354,15 @@ def _clamped(i: int, x: str) -> str:
 
 
 def fused_totals(weights: Sequence[float]) -> Totals:
-    """`weighted_totals` for these weights, as one comprehension: per endpoint
-    `0.0 + w0·clamp(x0) + w1·clamp(x1) + …`, the same expressions added in the same order
-    (so the same floats), with no inner loop and no pairing of weights with scores.
+    """Per endpoint, `Σ w · clamp(raw)` over the scorers, as one comprehension:
+    `0.0 + w0·clamp(x0) + w1·clamp(x1) + …`, added in scorer order, so the same floats as
+    `add_weighted` column by column (which starts from the first weighted value; `0.0 + v`
+    is `v`), with no inner loop and no pairing of weights with scores; empty when there
+    are no endpoints.
 
     Built once per profile (its scorers and weights are fixed). Costs 0.8–0.9 µs against
-    1.2–1.6 for `weighted_totals` with 7 scorers over 1–2 endpoints, 2.2 against 5.0
-    over 8 (one `timeit` run).
+    1.2–1.6 for the same sums as a loop nest with 7 scorers over 1–2 endpoints, 2.2
+    against 5.0 over 8 (one `timeit` run).
     """
     k = len(weights)
     if k == 0:
