@@ -4,9 +4,12 @@
 
 Each request goes through the steps the `Director` runs around routing and relaying,
 without the routing and the relaying themselves: `begin` (context and access record),
-`GatewayMetrics.start`, a `Lease` bound to an endpoint, the decision and attempt
-observations, the record's response fields, `complete`, and `finish` (the lease's
-release, `GatewayMetrics.finish`, the response counter and the access-log line). `K`
+`GatewayMetrics.start`, a `Lease`, flow control's admission of a request that need not
+wait (as the checkout's `Director.route` calls it: `admit_now` where there is one, else
+the awaited `admit`) and the response headers it sets, the lease bound to an endpoint,
+the decision and attempt observations, the record's response fields, `complete`, and
+`finish` (the lease's release, `GatewayMetrics.finish`, the response counter and the
+access-log line). `K`
 requests end per event-loop turn (the gateway at saturation ends one to a few per turn),
 so a per-turn flush is counted as the gateway pays it. The access log goes to a real
 file (`--log`, a temporary one by default), as the gateway's stdout does in
@@ -33,9 +36,11 @@ from typing import IO, Any
 
 from servegate.config import parse_config
 from servegate.control.lease import Lease
+from servegate.gateway.admission import QUEUE_DURATION_HEADER, queue_ms
 from servegate.gateway.app import Gateway, build_gateway
 from servegate.gateway.server import event_loop_factory
 from servegate.pool.endpoint import EndpointMetrics
+from servegate.scheduling.request import LLMRequest, RequestKind
 
 ADDRESSES = ("10.0.0.1:8000", "10.0.0.2:8000")
 HEADERS = {"content-type": "application/json", "host": "gateway"}
@@ -78,6 +83,9 @@ async def run(requests: int, per_turn: int, stream: IO[bytes], log: bool) -> flo
     gw = gateway(stream, log)
     director, metrics, runtime = gw.director, gw.metrics, gw.default
     states = list(gw.pool)
+    admission = runtime.admission
+    admit_now = getattr(admission, "admit_now", None)
+    llm = LLMRequest("r", RequestKind.CHAT, "m", "m", "m", headers=HEADERS, prompt_tokens=300)
     gc.collect()
     t0 = time.perf_counter()
     for i in range(requests):
@@ -87,6 +95,16 @@ async def run(requests: int, per_turn: int, stream: IO[bytes], log: bool) -> flo
         record.pool = runtime.name
         ctx.series = metrics.start("m", "m", "", 0)
         lease = ctx.lease = Lease(runtime)
+        if admit_now is None:
+            queued = await admission.admit(llm, 1500, None)
+        elif not admit_now(llm, 1500, 0):
+            raise RuntimeError("flow control held a request back")
+        else:
+            queued = 0.0
+        lease.admit()
+        extra = ctx.response_headers
+        extra["X-Request-ID"] = ctx.request_id
+        extra[QUEUE_DURATION_HEADER] = queue_ms(queued)
         state = states[i & 1]
         lease.bind(state, 1200, time.monotonic())
         metrics.decision.observe(0.00004)

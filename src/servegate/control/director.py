@@ -126,9 +126,12 @@ class Director:
         ctx.series = metrics.start(llm.model, llm.target_model, llm.fairness_id, llm.priority)
         pool = rt.state.pool
         early = pool.candidates(llm.base_model, time.monotonic(), llm.lora)
-        if early:
-            await rt.cache_routing.prepare(llm, early)
-        ctx.queued_s = await rt.admission.admit(llm, len(body), max_priority)
+        cache_routing = rt.cache_routing
+        if early and cache_routing.needs_prepare(llm):
+            await cache_routing.prepare(llm, early)
+        admission = rt.admission
+        if not admission.admit_now(llm, len(body), llm.priority):
+            ctx.queued_s = await admission.wait(llm, len(body))
         lease.admit()
         now = time.monotonic()
         candidates = pool.candidates(llm.base_model or None, now, llm.lora)
@@ -140,8 +143,8 @@ class Director:
                 )
         if not candidates:
             raise NoEndpoints(f"no ready endpoint serves model `{llm.target_model}`")
-        if not early:
-            await rt.cache_routing.prepare(llm, candidates)
+        if not early and cache_routing.needs_prepare(llm):
+            await cache_routing.prepare(llm, candidates)
         latency = rt.latency
         fresh = await latency.admit(llm, ctx.started, candidates, pool, self.rng)
         if fresh is not None:
@@ -171,7 +174,7 @@ class Director:
         extra = ctx.response_headers
         extra["X-Request-ID"] = ctx.request_id
         extra[QUEUE_DURATION_HEADER] = queue_ms(ctx.queued_s)
-        rt.cache_routing.headers(llm, decision, extra)
+        cache_routing.headers(llm, decision, extra)
         if ctx.snapshot.config.gateway.debug_headers:
             result = decision.results.get(decision.profile)
             if result is not None:

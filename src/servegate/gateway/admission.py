@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
+from time import perf_counter
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -53,6 +55,7 @@ from servegate.scheduling.flowcontrol import (
     queues_from_settings,
     resolve_detector,
 )
+from servegate.scheduling.flowcontrol.controller import DISPATCHED
 from servegate.scheduling.flowcontrol.queues import DEFAULT_FLOW
 from servegate.scheduling.framework import Plugin
 from servegate.scheduling.request import LLMRequest
@@ -160,28 +163,36 @@ class GatewayAdmission:
         """(fairness id, priority, model, target) → [requests, bytes] inside flow control."""
         self._children: dict[tuple[str, int, Outcome, str, str], Buckets] = {}
         self._enqueue_children: dict[tuple[int, str, str], Buckets] = {}
+        self._at_once: dict[tuple[str, int, str, str], tuple[Buckets, Buckets]] = {}
+        """(fairness id, priority, model, target) → the enqueue and queue-duration children
+        of a request dispatched at once, resolved once."""
         controller.on_enqueue = self._observe_enqueue
         controller.on_dispatch = self.dispatch_cycle.observe
         if registry is not None:
             registry.register(_FlowCollector(self))
 
     def _observe(self, request: LLMRequest, flow: str, outcome: Outcome, seconds: float) -> None:
+        self._child(request, flow, outcome).observe(seconds)
+
+    def _child(self, request: LLMRequest, flow: str, outcome: Outcome) -> Buckets:
         key = (flow, request.priority, outcome, request.model, request.target_model)
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = self.queue_duration.histogram(
                 flow, str(request.priority), outcome.value, request.model, request.target_model
             )
-        child.observe(seconds)
+        return child
 
     def _observe_enqueue(self, priority: int, flow: str, outcome: str, seconds: float) -> None:
-        label = self.bound_fairness(flow)
+        self._enqueue_child(priority, self.bound_fairness(flow), outcome).observe(seconds)
+
+    def _enqueue_child(self, priority: int, label: str, outcome: str) -> Buckets:
         key = (priority, label, outcome)
         child = self._enqueue_children.get(key)
         if child is None:
             child = self.enqueue_duration.histogram(label, str(priority), outcome)
             self._enqueue_children[key] = child
-        child.observe(seconds)
+        return child
 
     def priority_of(self, headers: Mapping[str, str]) -> int:
         name = objective_of(headers)
@@ -193,19 +204,26 @@ class GatewayAdmission:
         priority = self.priority_of(request.headers)
         if max_priority is not None and priority > max_priority:
             priority = max_priority
+        if self.admit_now(request, size, priority):
+            return 0.0
+        return await self.wait(request, size)
+
+    def admit_now(self, request: LLMRequest, size: int, priority: int) -> bool:
+        """`admit` without a coroutine, for the request that need not wait (nearly every
+        one): True when it is dispatched at once, with the same counts and observations
+        as `admit`; False when it must queue: then `await wait(request, size)`, with
+        nothing awaited in between. `priority`: the request's, already capped by its
+        tenant. Raises the `GatewayError` of a refusal."""
+        started = perf_counter()
         request.priority = priority
         flow = request.fairness_id[:MAX_FLOW_ID]
         label = self.bound_fairness(flow or DEFAULT_FLOW)
-        tokens = request.prompt_tokens + (request.max_tokens or 0)
         key = (label, priority, request.model, request.target_model)
-        held = self.held.get(key)
-        if held is None:
-            held = self.held[key] = [0, 0]
-        held[0] += 1
-        held[1] += size
-        started = time.monotonic()
+        at_once = self._at_once.get(key)
+        if at_once is None:
+            at_once = self._at_once[key] = self._at_once_children(request, label)
         if self.admitters:
-            now = started
+            now = time.monotonic()
             available = [s for s in self.pool if self.pool.is_available(s, now)]
             for admitter in self.admitters:
                 reason = admitter.refusal(priority, available, self._rng)
@@ -214,7 +232,42 @@ class GatewayAdmission:
                     self._observe(request, label, Outcome.REJECTED_SATURATED, 0.0)
                     raise _as_error(Rejected(Outcome.REJECTED_SATURATED, reason), 0.0)
         try:
-            admission = await self.controller.admit(priority, flow, size, tokens)
+            dispatched = self.controller.gate(priority)
+        except Rejected as rejected:
+            outcome = rejected.outcome
+            self._observe_enqueue(priority, label, outcome.value, perf_counter() - started)
+            self._observe(request, label, outcome, 0.0)
+            raise _as_error(rejected, 0.0) from rejected
+        if dispatched:
+            enqueue, queue = at_once
+            seconds = perf_counter() - started
+            enqueue.counts[bisect_left(enqueue.bounds, seconds)] += 1
+            enqueue.sum += seconds
+            queue.counts[0] += 1  # waited 0.0 s: the first bucket, and nothing to the sum
+        return dispatched
+
+    def _at_once_children(self, request: LLMRequest, label: str) -> tuple[Buckets, Buckets]:
+        """A new (flow, priority, model, target): its queue gauges (shown from now on, as
+        for every series that ever entered), and the enqueue and queue-duration children
+        a request dispatched at once observes."""
+        priority = request.priority
+        self.held.setdefault((label, priority, request.model, request.target_model), [0, 0])
+        enqueue = self._enqueue_child(priority, label, DISPATCHED)
+        queue = self._child(request, label, Outcome.DISPATCHED)
+        return enqueue, queue
+
+    async def wait(self, request: LLMRequest, size: int) -> float:
+        """Queue the request `admit_now` did not dispatch; the seconds it waited."""
+        priority = request.priority
+        flow = request.fairness_id[:MAX_FLOW_ID]
+        label = self.bound_fairness(flow or DEFAULT_FLOW)
+        tokens = request.prompt_tokens + (request.max_tokens or 0)
+        held = self.held.setdefault((label, priority, request.model, request.target_model), [0, 0])
+        held[0] += 1
+        held[1] += size
+        started = time.monotonic()
+        try:
+            admission = await self.controller.wait(priority, flow, size, tokens)
         except Rejected as rejected:
             waited = time.monotonic() - started
             self._observe(request, label, rejected.outcome, waited)
@@ -254,6 +307,8 @@ def _as_error(rejected: Rejected, waited: float) -> GatewayError:
 
 
 def queue_ms(seconds: float) -> str:
+    if not seconds:
+        return "0"  # every request flow control dispatched at once
     return str(round(seconds * 1000.0))
 
 
@@ -281,7 +336,9 @@ def build_admission(
             detector = resolve_detector(plugin_ref, plugins or {})
 
     def available(now: float) -> list[EndpointState]:
-        return [s for s in pool if pool.is_available(s, now)]
+        # the pool's shared list of every ready endpoint (the same set as
+        # `is_available`, rebuilt only when membership, health, drain or ejection change)
+        return pool.candidates(None, now)
 
     controller = FlowController(
         detector or detector_from_settings(settings, ctx),
