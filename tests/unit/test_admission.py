@@ -4,6 +4,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from servegate.gateway import admission as admission_module
 from servegate.gateway.admission import (
     QUEUE_DURATION_HEADER,
     GatewayAdmission,
@@ -250,3 +251,18 @@ def test_an_ejected_endpoint_takes_no_requests_until_its_ejection_is_lifted() ->
 )
 def test_queue_duration_header_in_whole_milliseconds(seconds: float, header: str) -> None:
     assert queue_ms(seconds) == header
+
+
+async def test_the_resolved_flows_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fairness ids come from clients: past `AT_ONCE_KEYS` the resolved children are
+    dropped and resolved again, counting into the same series."""
+    monkeypatch.setattr(admission_module, "AT_ONCE_KEYS", 2)
+    _, admission, registry = setup(0)
+    for flow in ("a", "b", "c", "a", "b", "c"):
+        req = LLMRequest("r", RequestKind.CHAT, "m", "m", "m", fairness_id=flow)
+        assert admission.admit_now(req, 1, 0) is True
+        assert len(admission._at_once) <= 2
+    name = "llm_d_epp_flow_control_request_enqueue_duration_seconds_count"
+    for flow in ("a", "b", "c"):
+        labels = {"fairness_id": flow, "outcome": "Dispatched", "priority": "0"}
+        assert registry.get_sample_value(name, labels) == 2.0

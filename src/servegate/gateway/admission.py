@@ -62,6 +62,8 @@ from servegate.scheduling.request import LLMRequest
 
 QUEUE_DURATION_HEADER = "x-llm-d-flow-queue-duration-ms"
 MAX_FLOW_ID = 256
+AT_ONCE_KEYS = 4096
+"""(Fairness id, priority, model, target) keys whose children `admit_now` keeps resolved."""
 FAST_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 QUEUE_BUCKETS = (
     0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -163,9 +165,9 @@ class GatewayAdmission:
         """(fairness id, priority, model, target) → [requests, bytes] inside flow control."""
         self._children: dict[tuple[str, int, Outcome, str, str], Buckets] = {}
         self._enqueue_children: dict[tuple[int, str, str], Buckets] = {}
-        self._at_once: dict[tuple[str, int, str, str], tuple[Buckets, Buckets]] = {}
-        """(fairness id, priority, model, target) → the enqueue and queue-duration children
-        of a request dispatched at once, resolved once."""
+        self._at_once: dict[tuple[str, int, str, str], tuple[str, Buckets, Buckets]] = {}
+        """(fairness id, priority, model, target) → the flow's label, and the enqueue and
+        queue-duration children of a request dispatched at once, resolved once."""
         controller.on_enqueue = self._observe_enqueue
         controller.on_dispatch = self.dispatch_cycle.observe
         if registry is not None:
@@ -216,12 +218,14 @@ class GatewayAdmission:
         tenant. Raises the `GatewayError` of a refusal."""
         started = perf_counter()
         request.priority = priority
-        flow = request.fairness_id[:MAX_FLOW_ID]
-        label = self.bound_fairness(flow or DEFAULT_FLOW)
-        key = (label, priority, request.model, request.target_model)
+        key = (request.fairness_id, priority, request.model, request.target_model)
         at_once = self._at_once.get(key)
         if at_once is None:
-            at_once = self._at_once[key] = self._at_once_children(request, label)
+            at_once = self._at_once_children(request)
+            if len(self._at_once) >= AT_ONCE_KEYS:
+                self._at_once.clear()  # fairness ids come from clients: stay bounded
+            self._at_once[key] = at_once
+        label, enqueue, queue = at_once
         if self.admitters:
             now = time.monotonic()
             available = [s for s in self.pool if self.pool.is_available(s, now)]
@@ -239,22 +243,23 @@ class GatewayAdmission:
             self._observe(request, label, outcome, 0.0)
             raise _as_error(rejected, 0.0) from rejected
         if dispatched:
-            enqueue, queue = at_once
             seconds = perf_counter() - started
             enqueue.counts[bisect_left(enqueue.bounds, seconds)] += 1
             enqueue.sum += seconds
             queue.counts[0] += 1  # waited 0.0 s: the first bucket, and nothing to the sum
         return dispatched
 
-    def _at_once_children(self, request: LLMRequest, label: str) -> tuple[Buckets, Buckets]:
-        """A new (flow, priority, model, target): its queue gauges (shown from now on, as
-        for every series that ever entered), and the enqueue and queue-duration children
-        a request dispatched at once observes."""
+    def _at_once_children(self, request: LLMRequest) -> tuple[str, Buckets, Buckets]:
+        """A new (fairness id, priority, model, target): its flow's label, its queue
+        gauges (shown from now on, as for every series that ever entered), and the
+        enqueue and queue-duration children a request dispatched at once observes."""
         priority = request.priority
+        flow = request.fairness_id[:MAX_FLOW_ID]
+        label = self.bound_fairness(flow or DEFAULT_FLOW)
         self.held.setdefault((label, priority, request.model, request.target_model), [0, 0])
         enqueue = self._enqueue_child(priority, label, DISPATCHED)
         queue = self._child(request, label, Outcome.DISPATCHED)
-        return enqueue, queue
+        return label, enqueue, queue
 
     async def wait(self, request: LLMRequest, size: int) -> float:
         """Queue the request `admit_now` did not dispatch; the seconds it waited."""
