@@ -266,3 +266,15 @@ async def test_the_resolved_flows_stay_bounded(monkeypatch: pytest.MonkeyPatch) 
     for flow in ("a", "b", "c"):
         labels = {"fairness_id": flow, "outcome": "Dispatched", "priority": "0"}
         assert registry.get_sample_value(name, labels) == 2.0
+
+
+def test_a_series_appears_with_its_first_observation() -> None:
+    """A flow whose requests were only ever shed has no `Dispatched` series (the children
+    of requests dispatched at once are resolved when the first one is)."""
+    _, admission, registry = setup(1)
+    for _ in range(2):
+        with pytest.raises(GatewayError):
+            admission.admit_now(request({}), 10, -1)
+    text = generate_latest(registry).decode()
+    assert 'outcome="RejectedSaturated",priority="-1"' in text
+    assert 'outcome="Dispatched"' not in text

@@ -220,12 +220,7 @@ class GatewayAdmission:
         request.priority = priority
         key = (request.fairness_id, priority, request.model, request.target_model)
         at_once = self._at_once.get(key)
-        if at_once is None:
-            at_once = self._at_once_children(request)
-            if len(self._at_once) >= AT_ONCE_KEYS:
-                self._at_once.clear()  # fairness ids come from clients: stay bounded
-            self._at_once[key] = at_once
-        label, enqueue, queue = at_once
+        label = self._label(request) if at_once is None else at_once[0]
         if self.admitters:
             now = time.monotonic()
             available = [s for s in self.pool if self.pool.is_available(s, now)]
@@ -243,23 +238,37 @@ class GatewayAdmission:
             self._observe(request, label, outcome, 0.0)
             raise _as_error(rejected, 0.0) from rejected
         if dispatched:
+            if at_once is None:
+                at_once = self._at_once_children(key, request, label)
+            _, enqueue, queue = at_once
             seconds = perf_counter() - started
             enqueue.counts[bisect_left(enqueue.bounds, seconds)] += 1
             enqueue.sum += seconds
             queue.counts[0] += 1  # waited 0.0 s: the first bucket, and nothing to the sum
         return dispatched
 
-    def _at_once_children(self, request: LLMRequest) -> tuple[str, Buckets, Buckets]:
-        """A new (fairness id, priority, model, target): its flow's label, its queue
-        gauges (shown from now on, as for every series that ever entered), and the
-        enqueue and queue-duration children a request dispatched at once observes."""
-        priority = request.priority
-        flow = request.fairness_id[:MAX_FLOW_ID]
-        label = self.bound_fairness(flow or DEFAULT_FLOW)
-        self.held.setdefault((label, priority, request.model, request.target_model), [0, 0])
-        enqueue = self._enqueue_child(priority, label, DISPATCHED)
-        queue = self._child(request, label, Outcome.DISPATCHED)
-        return label, enqueue, queue
+    def _label(self, request: LLMRequest) -> str:
+        """The request's flow label; its queue gauges are shown from now on, as for every
+        series that ever entered."""
+        label = self.bound_fairness(request.fairness_id[:MAX_FLOW_ID] or DEFAULT_FLOW)
+        self.held.setdefault((label, request.priority, request.model, request.target_model), [0, 0])
+        return label
+
+    def _at_once_children(
+        self, key: tuple[str, int, str, str], request: LLMRequest, label: str
+    ) -> tuple[str, Buckets, Buckets]:
+        """The label and the enqueue and queue-duration children of a request dispatched
+        at once, resolved when the first such request of `key` is (not before: a series
+        appears with its first observation)."""
+        at_once = (
+            label,
+            self._enqueue_child(request.priority, label, DISPATCHED),
+            self._child(request, label, Outcome.DISPATCHED),
+        )
+        if len(self._at_once) >= AT_ONCE_KEYS:
+            self._at_once.clear()  # fairness ids come from clients: stay bounded
+        self._at_once[key] = at_once
+        return at_once
 
     async def wait(self, request: LLMRequest, size: int) -> float:
         """Queue the request `admit_now` did not dispatch; the seconds it waited."""
