@@ -124,16 +124,25 @@ class Director:
         metrics = self.metrics
         ctx.series = metrics.start(llm.model, llm.target_model, llm.fairness_id, llm.priority)
         pool = rt.state.pool
-        early = pool.candidates(llm.base_model, time.monotonic(), llm.lora)
+        now = time.monotonic()
+        early = pool.candidates(llm.base_model, now, llm.lora)
         cache_routing = rt.cache_routing
+        awaited = False
         if early and cache_routing.needs_prepare(llm):
             await cache_routing.prepare(llm, early)
+            awaited = True
         admission = rt.admission
         if not admission.admit_now(llm, len(body), llm.priority):
             ctx.queued_s = await admission.wait(llm, len(body))
+            awaited = True
         lease.admit()
-        now = time.monotonic()
-        candidates = pool.candidates(llm.base_model or None, now, llm.lora)
+        if awaited or not early:
+            # the pool may have changed while this request waited (or, for a body without
+            # a model, `early` asked for the wrong base): read its candidates again
+            now = time.monotonic()
+            candidates = pool.candidates(llm.base_model or None, now, llm.lora)
+        else:
+            candidates = early
         if subset is not None:
             candidates = within_subset(candidates, subset)
             if not candidates:
