@@ -1,9 +1,11 @@
+from dataclasses import fields
+
 import orjson
 import pytest
 
 from servegate.gateway.errors import BadRequest
-from servegate.gateway.parse import parse_request
-from servegate.scheduling.request import RequestKind
+from servegate.gateway.parse import REQUEST_FIELDS, parse_request
+from servegate.scheduling.request import LLMRequest, RequestKind
 
 CHAT = RequestKind.CHAT
 COMPLETION = RequestKind.COMPLETION
@@ -35,6 +37,37 @@ def test_chat_fields() -> None:
     assert req.prompt == "system\nbe brief\nuser\nhi"
     # 23 characters // 4 + 1 = 6
     assert req.prompt_tokens == 6
+
+
+def test_the_request_is_built_in_field_order() -> None:
+    """`_parsed` passes the fields by position: a field added or moved among them in
+    `LLMRequest` must be met there too."""
+    names = [f.name for f in fields(LLMRequest)]
+    assert names[: len(REQUEST_FIELDS)] == list(REQUEST_FIELDS)
+    req = parse(
+        {"model": "m", "messages": [{"role": "user", "content": "hey"}], "max_tokens": 5},
+        headers={"x-gateway-inference-fairness-id": "f"},
+    )
+    assert (req.request_id, req.kind, req.model, req.target_model, req.base_model) == (
+        "rid",
+        CHAT,
+        "m",
+        "m",
+        "m",
+    )
+    assert (req.lora, req.prompt, req.stream, req.max_tokens) == (None, "user\nhey", False, 5)
+    assert req.messages == [{"role": "user", "content": "hey"}]
+    assert (req.headers, req.prompt_tokens, req.priority) == (
+        {"x-gateway-inference-fairness-id": "f"},
+        3,  # 8 characters // 4 + 1
+        0,
+    )
+    assert (req.fairness_id, req.cache) == ("f", {})
+    assert req.body == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hey"}],
+        "max_tokens": 5,
+    }
 
 
 @pytest.mark.parametrize(

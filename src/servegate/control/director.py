@@ -30,7 +30,6 @@ from servegate.control.lease import Lease
 from servegate.gateway.access_log import AccessRecord
 from servegate.gateway.admission import QUEUE_DURATION_HEADER, queue_ms
 from servegate.gateway.headers import SUBSET_HEADER, model_rewrite_of, within_subset
-from servegate.gateway.model_routing import Routed
 from servegate.gateway.parse import parse_request, strip_gateway_fields, with_model
 from servegate.scheduling.framework import CycleState, NoCandidates
 from servegate.scheduling.request import LLMRequest, RequestKind
@@ -125,13 +124,25 @@ class Director:
         metrics = self.metrics
         ctx.series = metrics.start(llm.model, llm.target_model, llm.fairness_id, llm.priority)
         pool = rt.state.pool
-        early = pool.candidates(llm.base_model, time.monotonic(), llm.lora)
-        if early:
-            await rt.cache_routing.prepare(llm, early)
-        ctx.queued_s = await rt.admission.admit(llm, len(body), max_priority)
-        lease.admit()
         now = time.monotonic()
-        candidates = pool.candidates(llm.base_model or None, now, llm.lora)
+        early = pool.candidates(llm.base_model, now, llm.lora)
+        cache_routing = rt.cache_routing
+        awaited = False
+        if early and cache_routing.needs_prepare(llm):
+            await cache_routing.prepare(llm, early)
+            awaited = True
+        admission = rt.admission
+        if not admission.admit_now(llm, len(body), llm.priority):
+            ctx.queued_s = await admission.wait(llm, len(body))
+            awaited = True
+        lease.admit()
+        if awaited or not early:
+            # the pool may have changed while this request waited (or, for a body without
+            # a model, `early` asked for the wrong base): read its candidates again
+            now = time.monotonic()
+            candidates = pool.candidates(llm.base_model or None, now, llm.lora)
+        else:
+            candidates = early
         if subset is not None:
             candidates = within_subset(candidates, subset)
             if not candidates:
@@ -140,8 +151,8 @@ class Director:
                 )
         if not candidates:
             raise NoEndpoints(f"no ready endpoint serves model `{llm.target_model}`")
-        if not early:
-            await rt.cache_routing.prepare(llm, candidates)
+        if not early and cache_routing.needs_prepare(llm):
+            await cache_routing.prepare(llm, candidates)
         latency = rt.latency
         fresh = await latency.admit(llm, ctx.started, candidates, pool, self.rng)
         if fresh is not None:
@@ -171,7 +182,7 @@ class Director:
         extra = ctx.response_headers
         extra["X-Request-ID"] = ctx.request_id
         extra[QUEUE_DURATION_HEADER] = queue_ms(ctx.queued_s)
-        rt.cache_routing.headers(llm, decision, extra)
+        cache_routing.headers(llm, decision, extra)
         if ctx.snapshot.config.gateway.debug_headers:
             result = decision.results.get(decision.profile)
             if result is not None:
@@ -193,31 +204,36 @@ class Director:
             # a passthrough body without a model (vLLM's default): the default pool, any endpoint
             return runtimes[0]
         routing = snapshot.routing
-        served = routing.fallback is not None and any(
-            r.state.pool.resolve_model(llm.model) is not None for r in runtimes
-        )
-        routed = routing.route(llm.model, llm.headers, self.rng, served)
-        if routed.rewritten:
-            self.metrics.rewritten(routed.rule, llm.model, routed.model)
+        model = llm.model
+        if routing.fallback is None and model not in routing.splits:
+            # no rule names the model (the common case): no draw, nothing rewritten
+            target, pool_name, rewritten = model, None, False
         else:
+            served = routing.fallback is not None and any(
+                r.state.pool.resolve_model(model) is not None for r in runtimes
+            )
+            routed = routing.route(model, llm.headers, self.rng, served)
+            target, pool_name, rewritten = routed.model, routed.pool, routed.rewritten
+            if rewritten:
+                self.metrics.rewritten(routed.rule, model, target)
+        if not rewritten:
             named = model_rewrite_of(llm.headers)
-            if named is not None and named != llm.model:
-                routed = Routed(named, None, True)
+            if named is not None and named != model:
+                target, pool_name, rewritten = named, None, True
         for runtime in runtimes:
-            if routed.pool is not None and runtime.name != routed.pool:
+            if pool_name is not None and runtime.name != pool_name:
                 continue
-            entry = runtime.state.pool.resolve_model(routed.model)
+            entry = runtime.state.pool.resolve_model(target)
             if entry is not None:
                 llm.target_model = entry.id
                 llm.base_model = entry.base
                 llm.lora = entry.id if entry.parent else None
                 return runtime
-        if routed.rewritten:
+        if rewritten:
             raise ModelNotFound(
-                f"The model `{clip(llm.model)}` is routed to `{clip(routed.model)}`, "
-                "which no pool serves."
+                f"The model `{clip(model)}` is routed to `{clip(target)}`, which no pool serves."
             )
-        raise ModelNotFound(f"The model `{clip(llm.model)}` does not exist.")
+        raise ModelNotFound(f"The model `{clip(model)}` does not exist.")
 
     @staticmethod
     def complete(ctx: RequestContext) -> None:

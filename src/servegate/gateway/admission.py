@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
+from time import perf_counter
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -53,12 +55,15 @@ from servegate.scheduling.flowcontrol import (
     queues_from_settings,
     resolve_detector,
 )
+from servegate.scheduling.flowcontrol.controller import DISPATCHED
 from servegate.scheduling.flowcontrol.queues import DEFAULT_FLOW
 from servegate.scheduling.framework import Plugin
 from servegate.scheduling.request import LLMRequest
 
 QUEUE_DURATION_HEADER = "x-llm-d-flow-queue-duration-ms"
 MAX_FLOW_ID = 256
+AT_ONCE_KEYS = 4096
+"""(Fairness id, priority, model, target) keys whose children `admit_now` keeps resolved."""
 FAST_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 QUEUE_BUCKETS = (
     0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -160,28 +165,36 @@ class GatewayAdmission:
         """(fairness id, priority, model, target) → [requests, bytes] inside flow control."""
         self._children: dict[tuple[str, int, Outcome, str, str], Buckets] = {}
         self._enqueue_children: dict[tuple[int, str, str], Buckets] = {}
+        self._at_once: dict[tuple[str, int, str, str], tuple[str, Buckets, Buckets]] = {}
+        """(fairness id, priority, model, target) → the flow's label, and the enqueue and
+        queue-duration children of a request dispatched at once, resolved once."""
         controller.on_enqueue = self._observe_enqueue
         controller.on_dispatch = self.dispatch_cycle.observe
         if registry is not None:
             registry.register(_FlowCollector(self))
 
     def _observe(self, request: LLMRequest, flow: str, outcome: Outcome, seconds: float) -> None:
+        self._child(request, flow, outcome).observe(seconds)
+
+    def _child(self, request: LLMRequest, flow: str, outcome: Outcome) -> Buckets:
         key = (flow, request.priority, outcome, request.model, request.target_model)
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = self.queue_duration.histogram(
                 flow, str(request.priority), outcome.value, request.model, request.target_model
             )
-        child.observe(seconds)
+        return child
 
     def _observe_enqueue(self, priority: int, flow: str, outcome: str, seconds: float) -> None:
-        label = self.bound_fairness(flow)
+        self._enqueue_child(priority, self.bound_fairness(flow), outcome).observe(seconds)
+
+    def _enqueue_child(self, priority: int, label: str, outcome: str) -> Buckets:
         key = (priority, label, outcome)
         child = self._enqueue_children.get(key)
         if child is None:
             child = self.enqueue_duration.histogram(label, str(priority), outcome)
             self._enqueue_children[key] = child
-        child.observe(seconds)
+        return child
 
     def priority_of(self, headers: Mapping[str, str]) -> int:
         name = objective_of(headers)
@@ -193,19 +206,23 @@ class GatewayAdmission:
         priority = self.priority_of(request.headers)
         if max_priority is not None and priority > max_priority:
             priority = max_priority
+        if self.admit_now(request, size, priority):
+            return 0.0
+        return await self.wait(request, size)
+
+    def admit_now(self, request: LLMRequest, size: int, priority: int) -> bool:
+        """`admit` without a coroutine, for the request that need not wait (nearly every
+        one): True when it is dispatched at once, with the same counts and observations
+        as `admit`; False when it must queue: then `await wait(request, size)`, with
+        nothing awaited in between. `priority`: the request's, already capped by its
+        tenant. Raises the `GatewayError` of a refusal."""
+        started = perf_counter()
         request.priority = priority
-        flow = request.fairness_id[:MAX_FLOW_ID]
-        label = self.bound_fairness(flow or DEFAULT_FLOW)
-        tokens = request.prompt_tokens + (request.max_tokens or 0)
-        key = (label, priority, request.model, request.target_model)
-        held = self.held.get(key)
-        if held is None:
-            held = self.held[key] = [0, 0]
-        held[0] += 1
-        held[1] += size
-        started = time.monotonic()
+        key = (request.fairness_id, priority, request.model, request.target_model)
+        at_once = self._at_once.get(key)
+        label = self._label(request) if at_once is None else at_once[0]
         if self.admitters:
-            now = started
+            now = time.monotonic()
             available = [s for s in self.pool if self.pool.is_available(s, now)]
             for admitter in self.admitters:
                 reason = admitter.refusal(priority, available, self._rng)
@@ -214,7 +231,57 @@ class GatewayAdmission:
                     self._observe(request, label, Outcome.REJECTED_SATURATED, 0.0)
                     raise _as_error(Rejected(Outcome.REJECTED_SATURATED, reason), 0.0)
         try:
-            admission = await self.controller.admit(priority, flow, size, tokens)
+            dispatched = self.controller.gate(priority)
+        except Rejected as rejected:
+            outcome = rejected.outcome
+            self._observe_enqueue(priority, label, outcome.value, perf_counter() - started)
+            self._observe(request, label, outcome, 0.0)
+            raise _as_error(rejected, 0.0) from rejected
+        if dispatched:
+            if at_once is None:
+                at_once = self._at_once_children(key, request, label)
+            _, enqueue, queue = at_once
+            seconds = perf_counter() - started
+            enqueue.counts[bisect_left(enqueue.bounds, seconds)] += 1
+            enqueue.sum += seconds
+            queue.counts[0] += 1  # waited 0.0 s: the first bucket, and nothing to the sum
+        return dispatched
+
+    def _label(self, request: LLMRequest) -> str:
+        """The request's flow label; its queue gauges are shown from now on, as for every
+        series that ever entered."""
+        label = self.bound_fairness(request.fairness_id[:MAX_FLOW_ID] or DEFAULT_FLOW)
+        self.held.setdefault((label, request.priority, request.model, request.target_model), [0, 0])
+        return label
+
+    def _at_once_children(
+        self, key: tuple[str, int, str, str], request: LLMRequest, label: str
+    ) -> tuple[str, Buckets, Buckets]:
+        """The label and the enqueue and queue-duration children of a request dispatched
+        at once, resolved when the first such request of `key` is (not before: a series
+        appears with its first observation)."""
+        at_once = (
+            label,
+            self._enqueue_child(request.priority, label, DISPATCHED),
+            self._child(request, label, Outcome.DISPATCHED),
+        )
+        if len(self._at_once) >= AT_ONCE_KEYS:
+            self._at_once.clear()  # fairness ids come from clients: stay bounded
+        self._at_once[key] = at_once
+        return at_once
+
+    async def wait(self, request: LLMRequest, size: int) -> float:
+        """Queue the request `admit_now` did not dispatch; the seconds it waited."""
+        priority = request.priority
+        flow = request.fairness_id[:MAX_FLOW_ID]
+        label = self.bound_fairness(flow or DEFAULT_FLOW)
+        tokens = request.prompt_tokens + (request.max_tokens or 0)
+        held = self.held.setdefault((label, priority, request.model, request.target_model), [0, 0])
+        held[0] += 1
+        held[1] += size
+        started = time.monotonic()
+        try:
+            admission = await self.controller.wait(priority, flow, size, tokens)
         except Rejected as rejected:
             waited = time.monotonic() - started
             self._observe(request, label, rejected.outcome, waited)
@@ -254,6 +321,8 @@ def _as_error(rejected: Rejected, waited: float) -> GatewayError:
 
 
 def queue_ms(seconds: float) -> str:
+    if not seconds:
+        return "0"  # every request flow control dispatched at once
     return str(round(seconds * 1000.0))
 
 
@@ -281,7 +350,9 @@ def build_admission(
             detector = resolve_detector(plugin_ref, plugins or {})
 
     def available(now: float) -> list[EndpointState]:
-        return [s for s in pool if pool.is_available(s, now)]
+        # the pool's shared list of every ready endpoint (the same set as
+        # `is_available`, rebuilt only when membership, health, drain or ejection change)
+        return pool.candidates(None, now)
 
     controller = FlowController(
         detector or detector_from_settings(settings, ctx),

@@ -39,6 +39,12 @@ class CacheRouting:
     signals: RoutingSignals | None = None
     janitor: IndexJanitor | None = None
 
+    def needs_prepare(self, request: LLMRequest) -> bool:
+        """Whether `prepare` could do anything for `request`, so that the caller need not
+        create and await its coroutine when it could not (nearly every request)."""
+        tokenizers = self.tokenizers
+        return tokenizers is not None and tokenizers.needs_prepare(request)
+
     async def prepare(self, request: LLMRequest, candidates: Sequence[EndpointState]) -> None:
         tokenizers = self.tokenizers
         if tokenizers is not None and tokenizers.needs_prepare(request):

@@ -101,6 +101,9 @@ DispatchObserver = Callable[[float], None]
 """Seconds one dispatch cycle took (a pass over the queues that released what fit)."""
 NOT_YET_FINALIZED = "NotYetFinalized"
 """The enqueue outcome of a request that was queued (llm-d's name)."""
+DISPATCHED = Outcome.DISPATCHED.value
+AT_ONCE = Admission(0.0, False)
+"""The admission of every request dispatched without waiting."""
 
 
 class FlowController:
@@ -143,7 +146,10 @@ class FlowController:
     # -- the gate --------------------------------------------------------------------
     def saturation(self, now: float | None = None) -> float:
         t = self._clock() if now is None else now
-        value = self.detector.saturation(self.endpoints(t), t, self.pending, self.pending_tokens)
+        return self._saturation(self.endpoints(t), t)
+
+    def _saturation(self, endpoints: Sequence[EndpointState], now: float) -> float:
+        value = self.detector.saturation(endpoints, now, self.pending, self.pending_tokens)
         self.stats.last_saturation = value
         return value
 
@@ -155,51 +161,69 @@ class FlowController:
         self, priority: int = 0, flow: str = "", size: int = 0, tokens: int = 0
     ) -> Admission:
         """Wait for a dispatch slot; raises `Rejected` (and re-raises cancellation)."""
+        if self.admit_now(priority, flow):
+            return AT_ONCE
+        return await self.wait(priority, flow, size, tokens)
+
+    def admit_now(self, priority: int = 0, flow: str = "") -> bool:
+        """`admit` without a coroutine for a request that need not wait: True when it is
+        dispatched at once (counted and observed as `admit` does), False when it must be
+        queued (then `await wait(...)`, with nothing awaited in between); raises
+        `Rejected` when it is turned away at the gate."""
         started = perf_counter()
         try:
-            admission = await self._admit(priority, flow, size, tokens, started)
+            dispatched = self.gate(priority)
         except Rejected as exc:
-            if not exc.queued:
-                self._enqueued(priority, flow, exc.outcome.value, started)
+            self._enqueued(priority, flow, exc.outcome.value, started)
             raise
-        if not admission.queued:
-            self._enqueued(priority, flow, Outcome.DISPATCHED.value, started)
-        return admission
+        if dispatched:
+            self._enqueued(priority, flow, DISPATCHED, started)
+        return dispatched
 
     def _enqueued(self, priority: int, flow: str, outcome: str, started: float) -> None:
         observe = self.on_enqueue
         if observe is not None:
             observe(priority, flow or DEFAULT_FLOW, outcome, perf_counter() - started)
 
-    async def _admit(
-        self, priority: int, flow: str, size: int, tokens: int, started: float
-    ) -> Admission:
-        now = self._clock()
+    def gate(self, priority: int) -> bool:
+        """`admit_now` without the enqueue observation (for a caller that times and
+        observes it itself): True: dispatched now; False: the request must wait in the
+        queues. Reads the available endpoints once, for the endpoint check and the
+        detector alike."""
         if self._closed:
             self.stats.count(priority, Outcome.EVICTED_SHUTDOWN)
             raise Rejected(Outcome.EVICTED_SHUTDOWN, "the gateway is shutting down")
-        if not self._has_endpoints(now):
+        now = self._clock()
+        endpoints = self.endpoints(now)
+        if not endpoints:
             self.stats.count(priority, Outcome.REJECTED_NO_ENDPOINTS)
             raise Rejected(Outcome.REJECTED_NO_ENDPOINTS, "no endpoint takes requests")
-        if not self.enabled:
-            if priority < 0 and self.saturation(now) >= SATURATED:
-                self.stats.count(priority, Outcome.REJECTED_SATURATED)
-                raise Rejected(
-                    Outcome.REJECTED_SATURATED,
-                    f"the pool is saturated; priority {priority} requests are shed",
-                )
+        if self.enabled:
+            if not self.queues.requests and self._saturation(endpoints, now) < SATURATED:
+                self.stats.count(priority, Outcome.DISPATCHED)
+                return True
+            if priority >= 0 or self._saturation(endpoints, now) < SATURATED:
+                return False
+        elif priority >= 0 or self._saturation(endpoints, now) < SATURATED:
             self.stats.count(priority, Outcome.DISPATCHED)
-            return Admission(0.0, False)
-        if not self.queues.requests and self.saturation(now) < SATURATED:
-            self.stats.count(priority, Outcome.DISPATCHED)
-            return Admission(0.0, False)
-        if priority < 0 and self.saturation(now) >= SATURATED:
-            self.stats.count(priority, Outcome.REJECTED_SATURATED)
-            raise Rejected(
-                Outcome.REJECTED_SATURATED,
-                f"the pool is saturated; priority {priority} requests are shed",
+            return True
+        self.stats.count(priority, Outcome.REJECTED_SATURATED)
+        raise Rejected(
+            Outcome.REJECTED_SATURATED,
+            f"the pool is saturated; priority {priority} requests are shed",
+        )
+
+    async def wait(self, priority: int, flow: str, size: int = 0, tokens: int = 0) -> Admission:
+        """Queue a request `admit_now` did not dispatch, and wait for its turn."""
+        started = perf_counter()
+        try:
+            return await self._wait(
+                priority, flow or DEFAULT_FLOW, size, tokens, self._clock(), started
             )
-        return await self._wait(priority, flow or DEFAULT_FLOW, size, tokens, now, started)
+        except Rejected as exc:
+            if not exc.queued:
+                self._enqueued(priority, flow, exc.outcome.value, started)
+            raise
 
     async def _wait(
         self, priority: int, flow: str, size: int, tokens: int, now: float, started: float
