@@ -118,7 +118,8 @@ class LeanSink:
         self._started = True
         framing = b"Content-Length: %d\r\n%s\r\n" % (len(body), conn.connection_line())
         conn.send(_head(status, headers, framing), body)
-        await conn.drain()
+        if conn.paused_writing:
+            await conn.drain()
 
     async def start(self, status: int, headers: Headers, content_length: int | None) -> None:
         conn = self._conn
@@ -151,7 +152,8 @@ class LeanSink:
             conn.send(head, b"%x\r\n" % len(data), data, b"\r\n")
         else:
             conn.send(head, data)
-        await conn.drain()
+        if conn.paused_writing:
+            await conn.drain()
 
     async def end(self, last: bytes) -> None:
         conn = self._conn
@@ -163,7 +165,8 @@ class LeanSink:
                 conn.send(head, b"0\r\n\r\n")
         elif last or head:
             conn.send(head, last)
-        await conn.drain()
+        if conn.paused_writing:
+            await conn.drain()
 
     def abort(self) -> None:
         self._head = b""
