@@ -601,6 +601,14 @@ class Proxy:
         size = 0
         content = upstream.content
         try:
+            data = content.read_nowait()
+            if data:
+                if content.at_eof() and len(data) <= limit:
+                    return data, True  # the whole body came with the head: no reads to await
+                chunks.append(data)
+                size = len(data)
+                if size > limit:
+                    return data, False
             while True:
                 chunk = await content.readany()
                 if not chunk:
