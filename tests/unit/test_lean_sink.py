@@ -30,6 +30,7 @@ class Conn:
         self.transport = Transport()
         self.peer = "127.0.0.1"
         self.paused_writing = False
+        self.loop = asyncio.get_running_loop()
         self.drained = 0
 
     def connection_line(self) -> bytes:

@@ -223,7 +223,7 @@ class LeanResponse:
                 raise self._error
             if self._complete:
                 return b""
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            waiter = self._waiter = self._head.get_loop().create_future()  # no getpid call
             try:
                 await waiter
             finally:
