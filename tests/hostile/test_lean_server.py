@@ -8,10 +8,13 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator
+from typing import cast
 
 import orjson
 import pytest
 
+from servegate.gateway.connections import FRONT
+from servegate.gateway.lean_server import LeanServer
 from servegate.testing.gateway import GatewayRunner
 from tests.hostile.replica import MODEL, Replica, gateway_config, ready, wait_until
 
@@ -196,6 +199,46 @@ async def test_other_routes_hand_the_connection_to_aiohttp(lean: GatewayRunner) 
     )
     assert statuses(answer) == [200, 200, 200]
     assert answer.count(b"Server: Python") == 2  # aiohttp's answers after the hand-over
+
+
+def lean_server(gw: GatewayRunner) -> LeanServer:
+    return cast(LeanServer, gw.app[FRONT].__self__)
+
+
+async def answer_to(reader: asyncio.StreamReader) -> bytes:
+    """One whole answer with a Content-Length body."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND_S)
+    length = int(re.search(rb"Content-Length: (\d+)", head, re.IGNORECASE)[1])  # type: ignore[index]
+    return head + await asyncio.wait_for(reader.readexactly(length), BOUND_S)
+
+
+async def test_a_keep_alive_connection_is_served_by_one_task(lean: GatewayRunner) -> None:
+    server = lean_server(lean)
+    reader, writer = await asyncio.open_connection("127.0.0.1", lean.port)
+    try:
+        seen = []
+        for _ in range(3):
+            writer.write(post(CHAT))
+            assert statuses(await answer_to(reader)) == [200]
+            seen.append(set(server.tasks))
+        assert len(seen[0]) == 1 and seen[0] == seen[1] == seen[2]  # one worker, reused
+    finally:
+        writer.close()
+    await wait_until(lambda: not server.tasks, "the worker to end with its connection")
+
+
+async def test_a_hand_over_after_an_inference_request_leaves_no_task(lean: GatewayRunner) -> None:
+    server = lean_server(lean)
+    reader, writer = await asyncio.open_connection("127.0.0.1", lean.port)
+    try:
+        writer.write(post(CHAT))
+        assert statuses(await answer_to(reader)) == [200]
+        writer.write(b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n")
+        assert statuses(await answer_to(reader)) == [200]
+        # the connection is aiohttp's now and still open: the idle worker must not wait on
+        await wait_until(lambda: not server.tasks, "the lean worker to end at the hand-over")
+    finally:
+        writer.close()
 
 
 async def test_pipelined_inference_requests_are_answered_in_order(

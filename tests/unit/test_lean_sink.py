@@ -29,6 +29,9 @@ class Conn:
     def __init__(self) -> None:
         self.transport = Transport()
         self.peer = "127.0.0.1"
+        self.paused_writing = False
+        self.loop = asyncio.get_running_loop()
+        self.drained = 0
 
     def connection_line(self) -> bytes:
         return b""
@@ -39,7 +42,7 @@ class Conn:
         self.transport.writelines(parts)
 
     async def drain(self) -> None:
-        return None
+        self.drained += 1
 
     def abort(self) -> None:
         self.transport.abort()
@@ -93,3 +96,22 @@ async def test_an_aborted_answer_never_sends_its_held_head() -> None:
     sink.abort()
     await asyncio.sleep(0)
     assert conn.transport.sends == []
+
+
+async def test_a_paused_client_is_waited_for_and_a_reading_one_is_not() -> None:
+    conn = Conn()
+    sink = sink_on(conn)
+    await sink.start(200, [("Content-Type", "text/event-stream")], None)
+    await sink.write(b"data: 1\n\n")
+    assert conn.drained == 0  # not paused: no drain to wait for
+    conn.paused_writing = True
+    await sink.write(b"data: 2\n\n")
+    await sink.end(b"")
+    assert conn.drained == 2  # every write while the client's buffer is full waits
+
+
+async def test_a_whole_answer_to_a_paused_client_waits_for_it() -> None:
+    conn = Conn()
+    conn.paused_writing = True
+    await sink_on(conn).respond(200, [("Content-Type", "application/json")], b"{}")
+    assert conn.drained == 1

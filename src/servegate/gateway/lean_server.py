@@ -118,7 +118,8 @@ class LeanSink:
         self._started = True
         framing = b"Content-Length: %d\r\n%s\r\n" % (len(body), conn.connection_line())
         conn.send(_head(status, headers, framing), body)
-        await conn.drain()
+        if conn.paused_writing:
+            await conn.drain()
 
     async def start(self, status: int, headers: Headers, content_length: int | None) -> None:
         conn = self._conn
@@ -131,7 +132,7 @@ class LeanSink:
         if conn.transport is None or conn.transport.is_closing():
             raise ConnectionResetError("the client left")
         self._head = _head(status, headers, framing)
-        asyncio.get_running_loop().call_soon(self._send_head)
+        conn.loop.call_soon(self._send_head)
 
     def _send_head(self) -> None:
         """Nothing followed the head in its loop turn: it goes alone (a client waiting
@@ -151,7 +152,8 @@ class LeanSink:
             conn.send(head, b"%x\r\n" % len(data), data, b"\r\n")
         else:
             conn.send(head, data)
-        await conn.drain()
+        if conn.paused_writing:
+            await conn.drain()
 
     async def end(self, last: bytes) -> None:
         conn = self._conn
@@ -163,7 +165,8 @@ class LeanSink:
                 conn.send(head, b"0\r\n\r\n")
         elif last or head:
             conn.send(head, last)
-        await conn.drain()
+        if conn.paused_writing:
+            await conn.drain()
 
     def abort(self) -> None:
         self._head = b""
@@ -250,6 +253,9 @@ class LeanProtocol(asyncio.Protocol):
 
     def __init__(self, server: LeanServer) -> None:
         self.server = server
+        self.loop = asyncio.get_running_loop()
+        """Looked up once: on Python 3.11 every `get_running_loop()` is a `getpid` system
+        call, ~2 % of a request's CPU when made per request (docs/dataplane.md)."""
         settings = server.settings
         self.max_line = settings.max_line_bytes
         self.max_field = settings.max_header_bytes
@@ -278,6 +284,9 @@ class LeanProtocol(asyncio.Protocol):
         self.queue: list[_Request] = []
         """Requests parsed and not yet answered; the first is being served."""
         self.task: asyncio.Task[None] | None = None
+        """The connection's worker: serves its requests one after another, then waits in
+        `idle` for the next (one task per connection, not one per request)."""
+        self.idle: asyncio.Future[_Request | None] | None = None
         self.keep_alive = True
         self.stopped: GatewayError | _HandOver | None = None
         """Parsing stopped: a hand-over or a refusal, carried out once the queue is empty."""
@@ -466,11 +475,50 @@ class LeanProtocol(asyncio.Protocol):
     # -- one request -----------------------------------------------------------------------
 
     def _start(self, request: _Request) -> None:
+        """Serve `request` now: wake the connection's idle worker, or start one.
+
+        Why a worker per connection: on Python 3.11 a task costs a `WeakSet` entry in
+        Python (`asyncio.all_tasks`), a done callback and its loop turn; ~5 µs per request
+        in a tight loop (docs/dataplane.md). A keep-alive connection's next request only
+        resolves a future."""
         if self.guarded is not None:
             self.guarded.enter()
-        task = self.task = asyncio.get_running_loop().create_task(self._serve(request))
+        idle = self.idle
+        if idle is not None and not idle.done():
+            idle.set_result(request)
+            return
+        task = self.task = self.loop.create_task(self._work(request))
         self.server.tasks.add(task)
-        task.add_done_callback(self._served)
+
+    async def _work(self, request: _Request | None) -> None:
+        try:
+            while request is not None:
+                try:
+                    await self._serve(request)
+                except asyncio.CancelledError:
+                    self._served(cancelled=True)
+                    raise
+                except Exception:
+                    # the answer had begun (serve_inference answers every earlier error):
+                    # only a cut connection can say it failed
+                    self._served(failed=True)
+                    return
+                request = self._served()
+                if request is None and self._open():
+                    idle = self.idle = self.loop.create_future()
+                    try:
+                        request = await idle
+                    finally:
+                        self.idle = None
+        finally:
+            task = self.task
+            if task is not None:
+                self.server.tasks.discard(task)
+            self.task = None
+
+    def _open(self) -> bool:
+        transport = self.transport
+        return transport is not None and not transport.is_closing()
 
     async def _serve(self, request: _Request) -> None:
         async def read_body(settings: GatewaySettings) -> bytes:
@@ -497,7 +545,7 @@ class LeanProtocol(asyncio.Protocol):
             self.keep_alive = False
 
     async def _await_body(self, request: _Request, settings: GatewaySettings) -> None:
-        waiter = request.waiter = asyncio.get_running_loop().create_future()
+        waiter = request.waiter = self.loop.create_future()
         try:
             async with asyncio.timeout(settings.body_timeout_s):
                 await waiter
@@ -509,32 +557,35 @@ class LeanProtocol(asyncio.Protocol):
         finally:
             request.waiter = None
 
-    def _served(self, task: asyncio.Task[None]) -> None:
-        self.server.tasks.discard(task)
-        self.task = None
+    def _served(self, cancelled: bool = False, failed: bool = False) -> _Request | None:
+        """The request in flight ended: the connection goes on (returns the next request
+        queued behind it, already parsed), waits for one (None), or closes."""
         if self.queue:
             self.queue.pop(0)
         if self.guarded is not None:
             self.guarded.leave()
         transport = self.transport
         if transport is None:
-            return
-        failed = not task.cancelled() and task.exception() is not None
+            return None
         if failed:
             transport.abort()
-            return
-        if task.cancelled() or not self.keep_alive or self.server.closing:
+            return None
+        if cancelled or not self.keep_alive or self.server.closing:
             transport.close()
-            return
+            return None
         self.last_active = time.monotonic()
         if self.queue:
-            self._start(self.queue[0])
+            request = self.queue[0]
+            if self.guarded is not None:
+                self.guarded.enter()
             if len(self.queue) == 1 and self.stopped is None:
                 transport.resume_reading()
-        elif self.stopped is not None:
+            return request
+        if self.stopped is not None:
             self._carry_out()
         else:
             transport.resume_reading()
+        return None
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -562,7 +613,7 @@ class LeanProtocol(asyncio.Protocol):
             return
         if self.transport is None:
             raise ConnectionResetError("the client left")
-        waiter = self.drain_waiter = asyncio.get_running_loop().create_future()
+        waiter = self.drain_waiter = self.loop.create_future()
         try:
             await waiter
         finally:
@@ -600,6 +651,9 @@ class LeanProtocol(asyncio.Protocol):
         inner.connection_made(transport)
         data, self.buffer = self.buffer, b""
         self.transport = None
+        idle = self.idle
+        if idle is not None and not idle.done():
+            idle.set_result(None)  # no connection_lost will come here: the worker ends now
         transport.resume_reading()
         inner.data_received(data)
 
@@ -607,7 +661,7 @@ class LeanProtocol(asyncio.Protocol):
 
     def _arm_idle(self) -> None:
         timeout = self.server.settings.idle_timeout_s
-        self.idle_timer = asyncio.get_running_loop().call_later(timeout, self._idle_check)
+        self.idle_timer = self.loop.call_later(timeout, self._idle_check)
 
     def _idle_check(self) -> None:
         """One timer per connection, re-armed for the rest of the time when the connection
@@ -621,6 +675,6 @@ class LeanProtocol(asyncio.Protocol):
             return
         left = self.last_active + self.server.settings.idle_timeout_s - time.monotonic()
         if left > 0:
-            self.idle_timer = asyncio.get_running_loop().call_later(left, self._idle_check)
+            self.idle_timer = self.loop.call_later(left, self._idle_check)
             return
         transport.close()

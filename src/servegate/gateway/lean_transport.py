@@ -18,7 +18,9 @@ is left is what a relay to replicas needs:
   and resumes when the relay has taken them, so a fast replica and a slow client never
   make the gateway hold a whole answer;
 - `connect_s` bounds opening a connection, `total_s` the whole exchange (connect, head
-  and body), as aiohttp's `sock_connect` and `total` do; no redirects are followed;
+  and body), as aiohttp's `sock_connect` and `total` do; no redirects are followed. A
+  deadline 10 s or more away is checked by a once-a-second sweep (`Deadlines`), so it may
+  fire up to a second late; a nearer one has its own timer;
 - a response head over `MAX_HEAD_BYTES` or bytes llhttp rejects fail the request.
 
 Errors are the kinds the proxy already translates: `UpstreamMalformed` is an
@@ -46,6 +48,7 @@ import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from servegate.gateway.deadlines import Deadlines
 from servegate.gateway.transport import AiohttpTransport
 
 HIGH_WATER = 256 * 1024
@@ -86,18 +89,21 @@ class LeanResponse:
         "_chunks",
         "_complete",
         "_conn",
+        "_deadlines",
         "_error",
         "_head",
+        "_swept",
         "_then",
         "_timer",
         "_waiter",
+        "_when",
         "content_length",
         "content_type",
         "headers",
         "status",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, deadlines: Deadlines | None = None) -> None:
         self.status = 0
         self.headers: CIMultiDictProxy[str] = _EMPTY
         self.content_type = "application/octet-stream"
@@ -109,10 +115,14 @@ class LeanResponse:
         self._waiter: asyncio.Future[None] | None = None
         self._head: asyncio.Future[None] = loop.create_future()
         self._conn: _Connection | None = None
+        self._deadlines = deadlines
         self._timer: asyncio.TimerHandle | None = None
+        self._swept = False
+        """Whether the armed deadline waits in `_deadlines`' sweep rather than in `_timer`."""
+        self._when: float | None = None
         self._then: float | None = None
-        """When `_timer` stands for the first-byte deadline: the total one to arm if the head
-        came in time (`inf`: none). One timer per exchange, not one more per deadline."""
+        """When the armed deadline is the first-byte one: the total one to arm if the head
+        came in time (`inf`: none). One deadline per exchange, not one more per timeout."""
 
     @property
     def content(self) -> LeanResponse:
@@ -121,11 +131,12 @@ class LeanResponse:
     # -- fed by the connection ----------------------------------------------------------
 
     def _on_head(self, status: int, fields: list[tuple[bytes, bytes]]) -> None:
-        headers: CIMultiDict[str] = CIMultiDict()
-        for name, value in fields:
-            headers.add(
-                name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")
-            )
+        headers: CIMultiDict[str] = CIMultiDict(
+            [
+                (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
+                for name, value in fields
+            ]
+        )
         self.status = status
         self.headers = CIMultiDictProxy(headers)
         ctype = headers.get("Content-Type")
@@ -163,15 +174,27 @@ class LeanResponse:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def _arm(self, when: float) -> None:
+        """Expire at `when` (loop time): swept when far off, else by a timer of its own."""
+        self._when = when
+        deadlines = self._deadlines
+        if deadlines is None:
+            self._timer = self._head.get_loop().call_at(when, self._expire)
+            return
+        self._timer = deadlines.arm(self, when, self._expire)
+        self._swept = self._timer is None
+
     def _expire(self) -> None:
         """A deadline passed: `head_s` before the head, or `total_s`. The exchange fails and
         its connection goes; a first-byte deadline after the head only arms the total one."""
         self._timer = None
+        self._swept = False
+        self._when = None
         then, self._then = self._then, None
         if then is not None:
             if self._head.done():
                 if then != math.inf:
-                    self._timer = self._head.get_loop().call_at(then, self._expire)
+                    self._arm(then)
                 return
             self._fail(TimeoutError("the upstream sent no answer within its first-byte timeout"))
         else:
@@ -184,6 +207,11 @@ class LeanResponse:
         timer, self._timer = self._timer, None
         if timer is not None:
             timer.cancel()
+        elif self._swept:
+            self._swept = False
+            deadlines = self._deadlines
+            if deadlines is not None:
+                deadlines.disarm(self)
 
     # -- UpstreamBody -------------------------------------------------------------------
 
@@ -195,7 +223,7 @@ class LeanResponse:
                 raise self._error
             if self._complete:
                 return b""
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            waiter = self._waiter = self._head.get_loop().create_future()  # no getpid call
             try:
                 await waiter
             finally:
@@ -509,10 +537,12 @@ class LeanTransport:
         self.session: aiohttp.ClientSession | None = None
         """For the calls beside the request path; open between `open()` and `close()`."""
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._deadlines: Deadlines | None = None
         self._origins: dict[str, _Origin] = {}
 
     def open(self) -> aiohttp.ClientSession:
         self._loop = asyncio.get_running_loop()
+        self._deadlines = Deadlines(self._loop)
         self._sweep()
         self.session = self._side.open()
         return self.session
@@ -538,6 +568,8 @@ class LeanTransport:
     def adopt(self, session: aiohttp.ClientSession) -> None:
         """Use a session made elsewhere for the side calls (an embedding host's)."""
         self._loop = asyncio.get_running_loop()
+        if self._deadlines is None:
+            self._deadlines = Deadlines(self._loop)
         if self._sweeper is None:
             self._sweep()
         self._side.adopt(session)
@@ -545,6 +577,9 @@ class LeanTransport:
 
     async def close(self) -> None:
         self._loop = None
+        if self._deadlines is not None:
+            self._deadlines.close()
+            self._deadlines = None
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
@@ -585,9 +620,10 @@ class LeanTransport:
         now = loop.time()
         total_at = math.inf if total_s is None else now + total_s
         deadline = total_at if head_s is None else min(total_at, now + head_s)
-        response = LeanResponse(loop)
+        deadlines = self._deadlines
+        response = LeanResponse(loop, deadlines)
         if deadline != math.inf:
-            response._timer = loop.call_at(deadline, response._expire)
+            response._arm(deadline)
             if deadline < total_at:
                 response._then = total_at
         fresh = False
@@ -610,14 +646,11 @@ class LeanTransport:
                     if fresh:
                         raise
                     fresh = True
-                    timer, response._timer = response._timer, None
-                    then = response._then
-                    response = LeanResponse(loop)
-                    response._timer = timer
-                    response._then = then
-                    if timer is not None:
-                        timer.cancel()
-                        response._timer = loop.call_at(timer.when(), response._expire)
+                    stale, response = response, LeanResponse(loop, deadlines)
+                    when, response._then = stale._when, stale._then
+                    stale._stop_timer()
+                    if when is not None:
+                        response._arm(when)  # the same deadlines, for the one retry
                     continue
                 return response
         except BaseException:

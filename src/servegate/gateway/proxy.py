@@ -247,16 +247,18 @@ def forward_headers(
 def response_headers(upstream: CIMultiDictProxy[str]) -> CIMultiDict[str]:
     """The replica's headers the client sees: not hop-by-hop, and none that speak for the
     gateway's origin or that only the gateway may set (see `UPSTREAM_DROP`)."""
-    out: CIMultiDict[str] = CIMultiDict()
     named = connection_tokens(upstream)
-    for name, value in upstream.items():
-        lower = name.lower()
-        if lower in NOT_RELAYED or lower in named:
-            continue
-        if lower.startswith("access-control-"):
-            continue
-        out.add(name, value)
-    return out
+    return CIMultiDict(
+        [
+            (name, value)
+            for name, value in upstream.items()
+            if not (
+                (lower := name.lower()) in NOT_RELAYED
+                or lower in named
+                or lower.startswith("access-control-")
+            )
+        ]
+    )
 
 
 class Proxy:
@@ -599,6 +601,14 @@ class Proxy:
         size = 0
         content = upstream.content
         try:
+            data = content.read_nowait()
+            if data:
+                if content.at_eof() and len(data) <= limit:
+                    return data, True  # the whole body came with the head: no reads to await
+                chunks.append(data)
+                size = len(data)
+                if size > limit:
+                    return data, False
             while True:
                 chunk = await content.readany()
                 if not chunk:
