@@ -208,8 +208,11 @@ class AccessLog:
             self._write_out()  # never a line split across two writes
             buffer = self._buffer
         buffer += line  # a copy: orjson's output, kept alive, costs more than copying it
+        armed = self._timer_loop
+        if self._timer is not None and armed is not None and armed.is_running():
+            return  # the flush is due on the loop running now (one loop per thread)
         try:
-            loop = asyncio.get_running_loop()
+            loop = asyncio.get_running_loop()  # a getpid system call on 3.11: not per line
         except RuntimeError:
             self.flush()
             return

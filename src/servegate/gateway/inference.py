@@ -31,6 +31,38 @@ BodyReader = Callable[[GatewaySettings], Awaitable[bytes]]
 """Reads the request body under the settings' size and time limits; raises `BodyTooLarge`,
 `RequestTimeout` or `BadRequest`."""
 REQUEST_ID_CHARS = 128
+IDS_PER_READ = 256
+
+
+class RandomIds:
+    """New request ids: 16 bytes from `os.urandom` each, read 256 ids at a time.
+
+    Why: each `os.urandom` is a `getrandom` system call, ~2 % of a JSON request's CPU in a
+    native profile when made per request. The ids stay unpredictable (the same kernel
+    source); a forked child starts from fresh bytes, so that workers never share ids."""
+
+    __slots__ = ("_at", "_hex")
+
+    def __init__(self) -> None:
+        self._hex = ""
+        self._at = 0
+
+    def next(self) -> str:
+        at = self._at
+        if at >= len(self._hex):
+            self._hex = os.urandom(16 * IDS_PER_READ).hex()
+            at = 0
+        self._at = at + 32
+        return self._hex[at : at + 32]
+
+    def forget(self) -> None:
+        """Drop the bytes not yet handed out (after a fork they are the parent's too)."""
+        self._hex = ""
+        self._at = 0
+
+
+IDS = RandomIds()
+os.register_at_fork(after_in_child=IDS.forget)
 
 
 def request_id(headers: MultiMapping[str]) -> str:
@@ -38,7 +70,7 @@ def request_id(headers: MultiMapping[str]) -> str:
     rid = headers.get("X-Request-ID")
     if rid and len(rid) <= REQUEST_ID_CHARS and rid.isprintable():
         return rid
-    return os.urandom(16).hex()
+    return IDS.next()
 
 
 async def serve_inference(
