@@ -53,14 +53,14 @@ async def test_a_tenant_key_fixes_fairness_and_caps_priority(
         async with GatewayRunner(tenants_config(replica, key_file)) as gw:
             await ready(gw, 1)
             admission = gw.gateway.admission
-            original = admission.admit
+            original = admission.admit_now  # what the Director calls; it queues only if False
 
-            async def spy(llm: Any, size: int, max_priority: int | None = None) -> float:
-                waited = await original(llm, size, max_priority)
+            def spy(llm: Any, size: int, priority: int) -> bool:
+                admitted = original(llm, size, priority)
                 seen.append((llm.fairness_id, llm.priority))
-                return waited
+                return admitted
 
-            monkeypatch.setattr(admission, "admit", spy)
+            monkeypatch.setattr(admission, "admit_now", spy)
             for key in ("sk-team-a-2", "sk-team-b", "plain-key"):
                 async with http.post(
                     gw.url + "/v1/chat/completions",
