@@ -67,7 +67,7 @@ class Ticket:
 
     __slots__ = (
         "_done", "address", "dispatched_ms", "key", "learned_ttft_ms", "owner", "prediction",
-        "predictions", "record", "sampled", "slo", "started",
+        "predictions", "record", "sampled", "slo", "started", "taught",
     )  # fmt: skip
 
     def __init__(
@@ -81,6 +81,7 @@ class Ticket:
         dispatched_ms: float,
         predictions: Mapping[str, tuple[float, float]],
         record: AccessRecord,
+        sampled: bool | None,
     ) -> None:
         self.owner = owner
         self.record = record
@@ -93,12 +94,16 @@ class Ticket:
         self.predictions = predictions
         """The request's memo of every scored candidate's predictions (not copied: `debug`
         reads it right after dispatch)."""
+        self.sampled = sampled
+        """`LatencyPredictor.reserve`'s answer, asked at dispatch for a request that asked
+        for a stream: True, learn what it shows (its TTFT at the first byte, its TPOT at
+        the end); False, learn nothing (counted as sampled out at the end if it had
+        something to teach). None for a request that did not ask for a stream: nothing
+        to learn, unless its answer is a stream after all, then sampled at its end."""
         self.learned_ttft_ms: float | None = None
-        """The TTFT seen at the first byte, taught to the predictor if `sampled` (once:
-        never again at `done`)."""
-        self.sampled: bool | None = None
-        """`LatencyPredictor.sample`'s answer for this stream, asked at its first
-        observation and kept for the other (None: not asked yet)."""
+        """The TTFT seen at the first byte of a sampled stream (once: never again at `done`)."""
+        self.taught = False
+        """A sampled stream taught its TTFT at the first byte."""
         self._done = False
 
     @property
@@ -118,19 +123,17 @@ class Ticket:
         return max(0.0, r.ttft_ms - self.dispatched_ms)
 
     def first_token(self, now: float) -> bool:
-        """Teach the TTFT if it is known by `now` (and the stream is sampled); True once
-        the ticket needs no more looks."""
+        """Teach a sampled stream's TTFT if it is known (by `now`); True once the ticket
+        needs no more looks."""
         if self._done or self.learned_ttft_ms is not None:
             return True
         ttft = self.learnable_ttft_ms
         if ttft is None:
             return self.record.ttft_ms is not None  # a first byte that teaches nothing
         self.learned_ttft_ms = ttft
-        if ttft >= MIN_LEARNED_MS:  # else nothing to learn: no sampling decision either
-            predictor = self.owner.predictor
-            self.sampled = sampled = predictor.sample(self.address, now)
-            if sampled:
-                predictor.learn_ttft(self.address, self.prediction, ttft)
+        if ttft >= MIN_LEARNED_MS:  # else nothing to learn
+            self.owner.predictor.learn_ttft(self.address, self.prediction, ttft)
+            self.taught = True
         return True
 
     def debug(self, headers: dict[str, str]) -> None:
@@ -149,47 +152,71 @@ class Ticket:
         headers[DEBUG_HEADER] = orjson.dumps(body).decode()
 
     def done(self, record: AccessRecord, now: float) -> None:
-        """The request ended: release its backlog and learn what it showed."""
+        """The request ended: release its backlog, count its SLO outcome and, for a sampled
+        stream, learn what it showed."""
         if self._done:
             return
         self._done = True
-        self.owner.awaiting_first_token.pop(self.key, None)
-        ttft: float | None = None
+        sampled = self.sampled
+        if sampled:
+            self.owner.awaiting_first_token.pop(self.key, None)
         tpot: float | None = None
-        served_here = record.endpoint == self.address
         ok = record.status == 200 and record.error is None
-        if ok and record.ttft_ms is not None:
-            total_ms = (now - self.started) * 1000.0
+        stream = record.stream
+        if ok and stream and record.ttft_ms is not None:
             tokens = record.completion_tokens
-            if record.stream and tokens is not None and tokens > 1:
+            if tokens is not None and tokens > 1:
+                total_ms = (now - self.started) * 1000.0
                 tpot = max(0.0, total_ms - record.ttft_ms) / (tokens - 1)
                 record.tpot_ms = tpot
-            if record.stream:
-                ttft = max(0.0, record.ttft_ms - self.dispatched_ms)
-        learn = ok and served_here and record.prefill_endpoint is None
+        if stream and sampled is not False:
+            self._learn(record, ok, tpot, now)
+        else:  # nothing to learn: a JSON answer, or a stream over the learning cap
+            predictor = self.owner.predictor
+            if sampled:  # asked for a stream, answered without one (an error): nothing taught
+                predictor.unreserve(self.address)
+            elif sampled is False and stream and self._teaches(record, ok, tpot):
+                predictor.skipped(self.address)
+            predictor.release(self.address, self.key)
+        slo = self.slo
+        if slo.ttft_ms is not None or slo.tpot_ms is not None:
+            self.owner.count_slo(slo, record.ttft_ms if ok else None, tpot if ok else None)
+
+    def _new_ttft(self, record: AccessRecord, ok: bool) -> float | None:
+        """The TTFT the stream shows at its end, if its first byte did not teach it."""
+        if not ok or record.ttft_ms is None or self.learned_ttft_ms is not None:
+            return None
+        return max(0.0, record.ttft_ms - self.dispatched_ms)
+
+    def _teaches(self, record: AccessRecord, ok: bool, tpot: float | None) -> bool:
+        """The stream has a TTFT or TPOT to teach about the predicted endpoint."""
+        if not ok or record.endpoint != self.address or record.prefill_endpoint is not None:
+            return False
+        if self.taught or (tpot is not None and tpot >= MIN_LEARNED_MS):
+            return True
+        ttft = self._new_ttft(record, ok)
+        return ttft is not None and ttft >= MIN_LEARNED_MS
+
+    def _learn(self, record: AccessRecord, ok: bool, tpot: float | None, now: float) -> None:
+        """A streamed answer to a sampled (or not yet sampled) request ended: learn it."""
+        predictor = self.owner.predictor
+        learn = ok and record.endpoint == self.address and record.prefill_endpoint is None
+        ttft = self._new_ttft(record, ok)
+        teaches = learn and (
+            (ttft is not None and ttft >= MIN_LEARNED_MS)
+            or (tpot is not None and tpot >= MIN_LEARNED_MS)
+        )
+        if self.sampled is None:  # asked for no stream, answered with one: sampled here
+            learn = teaches and predictor.sample(self.address, now)
+        elif not teaches and not self.taught:
+            predictor.unreserve(self.address)
+        if not learn:
+            predictor.release(self.address, self.key)
+            return
         uncached = None
         if record.prompt_tokens is not None and record.cached_tokens is not None:
             uncached = max(0, record.prompt_tokens - record.cached_tokens)
-        if self.learned_ttft_ms is not None:
-            ttft = None
-        predictor = self.owner.predictor
-        if learn and (
-            (ttft is not None and ttft >= MIN_LEARNED_MS)
-            or (tpot is not None and tpot >= MIN_LEARNED_MS)
-        ):
-            sampled = self.sampled
-            if sampled is None:
-                sampled = predictor.sample(self.address, now)
-            learn = sampled
-        predictor.completed(
-            self.address,
-            self.key,
-            self.prediction,
-            ttft if learn else None,
-            tpot if learn else None,
-            uncached,
-        )
-        self.owner.count_slo(self.slo, record.ttft_ms if ok else None, tpot if ok else None)
+        predictor.completed(self.address, self.key, self.prediction, ttft, tpot, uncached)
 
 
 class LatencyRouting:
@@ -281,12 +308,16 @@ class LatencyRouting:
         record.dispatched_ms = round(dispatched_ms, 3)
         record.slo_ttft_ms = slo.ttft_ms
         record.slo_tpot_ms = slo.tpot_ms
-        key = self.predictor.dispatched(state.endpoint.address, prediction, cycle.now, record)
+        address = state.endpoint.address
+        predictor = self.predictor
+        key = predictor.dispatched(address, prediction, cycle.now, record)
+        sampled = predictor.reserve(address, cycle.now) if request.stream else None
         ticket = Ticket(
-            self, state.endpoint.address, key, prediction, slo, started, dispatched_ms,
-            memo if isinstance(memo, dict) else _NO_PREDICTIONS, record,
+            self, address, key, prediction, slo, started, dispatched_ms,
+            memo if isinstance(memo, dict) else _NO_PREDICTIONS, record, sampled,
         )  # fmt: skip
-        self.awaiting_first_token[key] = ticket
+        if sampled:
+            self.awaiting_first_token[key] = ticket
         return ticket
 
     def count_slo(self, slo: Slo, ttft_ms: float | None, tpot_ms: float | None) -> None:

@@ -51,9 +51,10 @@ endpoint that differs otherwise moves away as its own data arrives. Before an en
 has taught any TTFT, a request of its still waiting past its predicted first token is
 the only evidence of its speed (`cold_factor`).
 
-Learning is capped per endpoint (`sample`, `learn_per_s`): the gateway asks once per
-stream whether to learn from it; below the cap every stream is learned, above it an
-evenly spaced `learn_per_s` a second, the rest only releasing their backlog.
+Learning is capped per endpoint (`reserve`, `learn_per_s`): the gateway asks once per
+stream, at its dispatch, whether to learn from it; below the cap every stream is
+learned, above it an evenly spaced `learn_per_s` a second, the rest only releasing
+their backlog (and paying for no first-token tracking or learning).
 """
 
 from __future__ import annotations
@@ -208,11 +209,12 @@ class EndpointModel:
     ttft_speed: Speed = field(default_factory=Speed)
     tpot_speed: Speed = field(default_factory=Speed)
     learn_budget: float = math.inf
-    """Streams `sample` may still let this endpoint learn from, as of `learn_budget_at`
+    """Streams `reserve` may still let this endpoint learn from, as of `learn_budget_at`
     (full to start with: clipped to the bucket's size when first read)."""
     learn_budget_at: float = -math.inf
     sampled_out: int = 0
-    """Streams not learned from because the endpoint was over the learning-rate cap."""
+    """Streams not learned from because the endpoint was over the learning-rate cap
+    (counted at their end, and only those that had something to teach)."""
 
     def backlog(self, now: float) -> int:
         """Uncached prompt tokens dispatched here whose prefill is not done by `now` (no
@@ -542,8 +544,19 @@ class LatencyPredictor:
     # -- writes (the gateway, outside scheduling) ---------------------------------------
     def sample(self, address: str, now: float) -> bool:
         """Whether the endpoint's models should learn from a stream whose first
-        observation is in at `now`; asked once per stream, its answer holds for both
-        of the stream's observations (TTFT and TPOT).
+        observation is in at `now`, counting a refusal in `sampled_out`: `reserve`
+        for a stream known to teach something (one sampled at its end)."""
+        if self.reserve(address, now):
+            return True
+        self.endpoints[address].sampled_out += 1
+        return False
+
+    def reserve(self, address: str, now: float) -> bool:
+        """Whether the endpoint's models should learn from a stream dispatched at `now`;
+        asked once per stream, its answer holds for both of the stream's observations
+        (TTFT and TPOT). A refusal is not counted here: only a stream that turns out to
+        have something to teach is (`skipped`), and a stream let through that teaches
+        nothing gives its place back (`unreserve`).
 
         A token bucket per endpoint, refilled at `learn_per_s` and holding
         `LEARN_BURST_S` of it (at least one stream): below the cap every stream is learned (the predictions
@@ -552,9 +565,8 @@ class LatencyPredictor:
         statistics updates and solves per stream; past a few hundred streams a second
         more of them add CPU, not accuracy, and the forgetting (per observation) would
         otherwise shrink the models' memory to a fraction of a second. `now` need not
-        increase from call to call (the first byte of a stream is noticed at a later
-        request's arrival, which may have waited in a queue): an earlier `now` refills
-        nothing, and the bucket refills from the latest one seen.
+        increase from call to call (requests may have waited in a queue): an earlier
+        `now` refills nothing, and the bucket refills from the latest one seen.
         """
         rate = self.learn_per_s
         if rate <= 0.0:
@@ -573,8 +585,31 @@ class LatencyPredictor:
             model.learn_budget = budget - 1.0
             return True
         model.learn_budget = budget
-        model.sampled_out += 1
         return False
+
+    def unreserve(self, address: str) -> None:
+        """A stream `reserve` let through taught nothing (it failed, a fallback served it,
+        it came in one burst): its place goes back to the bucket, so that such streams
+        take none (as when streams were sampled at their first observation)."""
+        rate = self.learn_per_s
+        model = self.endpoints.get(address)
+        if rate <= 0.0 or model is None:
+            return
+        full = rate * LEARN_BURST_S
+        if full < 1.0:
+            full = 1.0
+        budget = model.learn_budget + 1.0
+        model.learn_budget = budget if budget < full else full
+
+    def skipped(self, address: str) -> None:
+        """A stream `reserve` refused had something to teach: count it in `sampled_out`."""
+        self.model(address).sampled_out += 1
+
+    def release(self, address: str, key: int) -> None:
+        """`completed` with nothing to learn: the request's backlog entry goes."""
+        model = self.endpoints.get(address)
+        if model is not None:
+            model.pending.pop(key, None)
 
     def dispatched(
         self,
