@@ -215,6 +215,12 @@ class EndpointModel:
     sampled_out: int = 0
     """Streams not learned from because the endpoint was over the learning-rate cap
     (counted at their end, and only those that had something to teach)."""
+    due: float = math.inf
+    """No request here still waiting for its first token was predicted to have it
+    before this (a lower bound, raised by every full pass): until then none is
+    overdue, and `overdue` need not look (the cold factor asks it of every endpoint
+    per prediction, which made a cold pool's predictions a pass over everything in
+    flight)."""
 
     def backlog(self, now: float) -> int:
         """Uncached prompt tokens dispatched here whose prefill is not done by `now` (no
@@ -246,10 +252,13 @@ class EndpointModel:
         total = 0.0
         count = 0
         worst = 1.0
+        due = math.inf
         for sent_at, done_at, tokens, first in self.pending.values():
             if first is not None:
                 if first.ttft_ms is not None:
                     continue
+                if done_at < due:
+                    due = done_at
                 if done_at > sent_at:
                     ratio = (now - sent_at) / (done_at - sent_at)
                     if ratio > worst:
@@ -262,19 +271,31 @@ class EndpointModel:
             else:
                 left = (done_at - now) / (done_at - sent_at)
                 total += tokens * (left if left > REMAINING_FLOOR else REMAINING_FLOOR)
+        self.due = due
         return int(total), count, worst
 
     def overdue(self, now: float) -> float:
         """How far past its predicted first token the most overdue request still waiting
         for one is, as a multiple of that prediction (1.0 when none is): its TTFT is at
-        least that many times what was predicted."""
+        least that many times what was predicted.
+
+        Before `due` every such request's ratio is at most 1 (`now` ≤ its predicted
+        end), so the answer is 1.0 without a pass."""
+        if now <= self.due:
+            return 1.0
         worst = 1.0
+        due = math.inf
         for sent_at, done_at, _, first in self.pending.values():
-            if first is None or first.ttft_ms is not None or done_at <= sent_at:
+            if first is None or first.ttft_ms is not None:
+                continue
+            if done_at < due:
+                due = done_at
+            if done_at <= sent_at:
                 continue
             ratio = (now - sent_at) / (done_at - sent_at)
             if ratio > worst:
                 worst = ratio
+        self.due = due
         return worst
 
     def recent_rate(self, now: float) -> float:
@@ -430,7 +451,7 @@ class LatencyPredictor:
         cold = model is None or model.ttft_error.observations == 0
         worst = 1.0
         if model is not None and model.pending:
-            if cold:
+            if cold and now > model.due:  # some first token may be overdue: in the same pass
                 tokens, prefilling, worst = model.scan(now)
             else:
                 tokens, prefilling = model.load(now)
@@ -504,7 +525,7 @@ class LatencyPredictor:
             b = model.tpot.theta if model.tpot.effective_n > 0.0 else self.pool_tpot.theta
             cold = model.ttft_error.observations == 0
             if model.pending:
-                if cold:  # how overdue its first tokens are, in the same pass
+                if cold and now > model.due:  # how overdue its first tokens are, in the same pass
                     tokens, prefilling, worst = model.scan(now)
                 else:
                     tokens, prefilling = model.load(now)
@@ -629,6 +650,8 @@ class LatencyPredictor:
         done_at = now + prediction.ttft_ms / 1000.0
         tokens = prediction.uncached_tokens
         model.pending[key] = (now, done_at, tokens, first_token)
+        if first_token is not None and done_at < model.due:
+            model.due = done_at
         model.sent(tokens, now)
         model.dispatched += 1
         return key
