@@ -7,13 +7,16 @@ Three calls from the request path (`app.py`), none inside the pure scheduling ca
   admitter's `queueTimeoutMs`) or is shed with 429 `rejected-slo`.
 - `dispatch` (after the decision, before the prefix indexes learn it): the chosen
   endpoint's predicted TTFT/TPOT go into the access record (and the debug header),
-  its in-flight prompt backlog grows; returns a `Ticket`.
-- `admit` also teaches the predictor the TTFT of every stream whose first byte was
-  relayed since (from dispatch to the first byte; `Ticket.learnable_ttft_ms`): learnt
-  then, before the next decision, not seconds later when the stream ends.
+  its in-flight prompt backlog grows, and a request that asked for a stream is
+  sampled (`LatencyPredictor.reserve`, the learning-rate cap); returns a `Ticket`.
+- `admit` also teaches the predictor the TTFT of every sampled stream whose first byte
+  was relayed since (from dispatch to the first byte; `Ticket.learnable_ttft_ms`):
+  learnt then, before the next decision, not seconds later when the stream ends.
 - `Ticket.done` (when the request ends, whatever the outcome): the backlog shrinks
-  and a completed stream teaches the predictor its TPOT (the rest of the stream over
-  the remaining completion tokens), and its TTFT if that was not learnt yet.
+  and a completed sampled stream teaches the predictor its TPOT (the rest of the
+  stream over the remaining completion tokens), and its TTFT if that was not learnt
+  yet. A JSON answer or a stream over the cap only releases its backlog and counts
+  for the SLO outcomes: it was never tracked for its first byte.
 
 Accuracy and SLO outcomes are exported from the runtime's registry (`_Collector`).
 """
@@ -257,7 +260,8 @@ class LatencyRouting:
         current when it was admitted after waiting.
         """
         request.cache[ARRIVED_KEY] = started
-        self.learn_first_tokens(started)
+        if self.awaiting_first_token:  # only sampled streams wait there
+            self.learn_first_tokens(started)
         admitter = self.admitter
         if admitter is None:
             return None
