@@ -161,65 +161,54 @@ class Ticket:
             return
         self._done = True
         sampled = self.sampled
-        if sampled:
-            self.owner.awaiting_first_token.pop(self.key, None)
-        tpot: float | None = None
+        owner = self.owner
+        predictor = owner.predictor
         ok = record.status == 200 and record.error is None
-        stream = record.stream
-        if ok and stream and record.ttft_ms is not None:
-            tokens = record.completion_tokens
-            if tokens is not None and tokens > 1:
-                total_ms = (now - self.started) * 1000.0
-                tpot = max(0.0, total_ms - record.ttft_ms) / (tokens - 1)
-                record.tpot_ms = tpot
-        if stream and sampled is not False:
-            self._learn(record, ok, tpot, now)
-        else:  # nothing to learn: a JSON answer, or a stream over the learning cap
-            predictor = self.owner.predictor
+        tpot: float | None = None
+        if record.stream:
+            if sampled:
+                owner.awaiting_first_token.pop(self.key, None)
+            ttft: float | None = None
+            first_ms = record.ttft_ms
+            if ok and first_ms is not None:
+                tokens = record.completion_tokens
+                if tokens is not None and tokens > 1:
+                    total_ms = (now - self.started) * 1000.0
+                    tpot = max(0.0, total_ms - first_ms) / (tokens - 1)
+                    record.tpot_ms = tpot
+                if self.learned_ttft_ms is None:
+                    ttft = max(0.0, first_ms - self.dispatched_ms)
+            teaches = (
+                ok
+                and record.endpoint == self.address
+                and record.prefill_endpoint is None
+                and (
+                    (ttft is not None and ttft >= MIN_LEARNED_MS)
+                    or (tpot is not None and tpot >= MIN_LEARNED_MS)
+                )
+            )
+            if sampled is None:  # asked for no stream, answered with one: sampled here
+                sampled = teaches and predictor.sample(self.address, now)
+            elif not sampled:
+                if teaches:
+                    predictor.skipped(self.address)
+            elif not teaches and not self.taught:
+                predictor.unreserve(self.address)  # it taught nothing: its place goes back
+            if sampled and teaches:
+                uncached = None
+                if record.prompt_tokens is not None and record.cached_tokens is not None:
+                    uncached = max(0, record.prompt_tokens - record.cached_tokens)
+                predictor.completed(self.address, self.key, self.prediction, ttft, tpot, uncached)
+            else:
+                predictor.release(self.address, self.key)
+        else:  # a JSON answer: nothing to learn
             if sampled:  # asked for a stream, answered without one (an error): nothing taught
+                owner.awaiting_first_token.pop(self.key, None)
                 predictor.unreserve(self.address)
-            elif sampled is False and stream and self._teaches(record, ok, tpot):
-                predictor.skipped(self.address)
             predictor.release(self.address, self.key)
         slo = self.slo
         if slo.ttft_ms is not None or slo.tpot_ms is not None:
-            self.owner.count_slo(slo, record.ttft_ms if ok else None, tpot if ok else None)
-
-    def _new_ttft(self, record: AccessRecord, ok: bool) -> float | None:
-        """The TTFT the stream shows at its end, if its first byte did not teach it."""
-        if not ok or record.ttft_ms is None or self.learned_ttft_ms is not None:
-            return None
-        return max(0.0, record.ttft_ms - self.dispatched_ms)
-
-    def _teaches(self, record: AccessRecord, ok: bool, tpot: float | None) -> bool:
-        """The stream has a TTFT or TPOT to teach about the predicted endpoint."""
-        if not ok or record.endpoint != self.address or record.prefill_endpoint is not None:
-            return False
-        if self.taught or (tpot is not None and tpot >= MIN_LEARNED_MS):
-            return True
-        ttft = self._new_ttft(record, ok)
-        return ttft is not None and ttft >= MIN_LEARNED_MS
-
-    def _learn(self, record: AccessRecord, ok: bool, tpot: float | None, now: float) -> None:
-        """A streamed answer to a sampled (or not yet sampled) request ended: learn it."""
-        predictor = self.owner.predictor
-        learn = ok and record.endpoint == self.address and record.prefill_endpoint is None
-        ttft = self._new_ttft(record, ok)
-        teaches = learn and (
-            (ttft is not None and ttft >= MIN_LEARNED_MS)
-            or (tpot is not None and tpot >= MIN_LEARNED_MS)
-        )
-        if self.sampled is None:  # asked for no stream, answered with one: sampled here
-            learn = teaches and predictor.sample(self.address, now)
-        elif not teaches and not self.taught:
-            predictor.unreserve(self.address)
-        if not learn:
-            predictor.release(self.address, self.key)
-            return
-        uncached = None
-        if record.prompt_tokens is not None and record.cached_tokens is not None:
-            uncached = max(0, record.prompt_tokens - record.cached_tokens)
-        predictor.completed(self.address, self.key, self.prediction, ttft, tpot, uncached)
+            owner.count_slo(slo, record.ttft_ms if ok else None, tpot if ok else None)
 
 
 class LatencyRouting:

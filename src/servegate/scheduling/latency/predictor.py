@@ -592,7 +592,9 @@ class LatencyPredictor:
         rate = self.learn_per_s
         if rate <= 0.0:
             return True
-        model = self.model(address)
+        model = self.endpoints.get(address)
+        if model is None:
+            model = self.model(address)
         budget = model.learn_budget
         if now > model.learn_budget_at:
             budget += (now - model.learn_budget_at) * rate
