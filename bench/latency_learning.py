@@ -49,7 +49,7 @@ from servegate.testing.endpoints import random_endpoint_states
 PHASES = ("dispatch", "first_token", "done")
 
 
-def _request(rng: random.Random, i: int) -> LLMRequest:
+def _request(rng: random.Random, i: int, stream: bool) -> LLMRequest:
     prompt = f"system {rng.randrange(8)} " + "lorem ipsum " * 120 + f"question {i}"
     return LLMRequest(
         request_id=str(i),
@@ -59,6 +59,7 @@ def _request(rng: random.Random, i: int) -> LLMRequest:
         base_model="m",
         prompt=prompt,
         prompt_tokens=len(prompt) // 4,
+        stream=stream,  # what the request asked for: a stream is sampled at its dispatch
         headers={},
     )
 
@@ -79,7 +80,7 @@ def measure(
         if "now" in inspect.signature(routing.learn_first_tokens).parameters
         else lambda _now: routing.learn_first_tokens()  # type: ignore[call-arg]  # a checkout without the learning cap
     )
-    reqs = [_request(rng, i) for i in range(2 * requests)]
+    reqs = [_request(rng, i, stream) for i in range(2 * requests)]
     open_: deque[tuple[Ticket, AccessRecord, float]] = deque()
     spent = dict.fromkeys(PHASES, 0)
     now = 100.0

@@ -15,9 +15,10 @@ visible at its time, `learn_ttft` there (as the gateway does), `completed` at th
 and reports the TTFT and TPOT MAPE the bench would have reported (each prediction made at
 dispatch, before its own TTFT is known), over the whole run and its later half.
 
-Each stream is sampled as the gateway does it (`LatencyPredictor.sample`, once per stream
-at its first observation, on the recorded clock), where the predictor has the learning
-cap. The routing decisions are the recorded ones: a replay measures prediction error on the
+Each stream is sampled as the gateway does it (`LatencyPredictor.reserve`, once per
+stream at its dispatch, on the recorded clock; its place given back if it taught
+nothing; `sample` at its first observation with a checkout from before that), where the
+predictor has the learning cap. The routing decisions are the recorded ones: a replay measures prediction error on the
 endpoints the requests went to, not what a different predictor would have chosen.
 """
 
@@ -212,8 +213,10 @@ def replay(
     preds: list[Prediction | None] = [None] * len(rows)
     learned = [False] * len(rows)
     sampled: list[bool | None] = [None] * len(rows)
+    taught = [False] * len(rows)
     learn_ttft = getattr(predictor, "learn_ttft", None) if at_first_byte else None
-    sample = getattr(predictor, "sample", None)  # a checkout without the learning cap: none
+    reserve = getattr(predictor, "reserve", None)  # sampled at dispatch, as the gateway does
+    sample = None if reserve is not None else getattr(predictor, "sample", None)
     for t, kind, i in _events(rows):
         r = rows[i]
         address = r["endpoint"]
@@ -228,6 +231,8 @@ def replay(
             p = predictor.predict(state, tokens, match, lora, t)  # type: ignore[arg-type]
             preds[i] = p
             keys[i] = predictor.dispatched(address, p, t, firsts[i])
+            if reserve is not None:
+                sampled[i] = reserve(address, t)
             continue
         p = preds[i]
         assert p is not None
@@ -236,19 +241,27 @@ def replay(
             firsts[i].ttft_ms = (r["t_first"] - r["t"]) * 1000.0
             if learn_ttft is not None and ttft is not None:
                 if ttft >= MIN_LEARNED_MS:
-                    if sample is not None:
+                    if sample is not None:  # a checkout that samples at the first observation
                         sampled[i] = sample(address, t)
                     if sampled[i] is not False:
                         learn_ttft(address, p, ttft)
+                        taught[i] = True
                 learned[i] = True
             continue
         tpot = r["tpot_ms"]
         if learned[i]:
             ttft = None
-        if sample is not None and (
-            (ttft is not None and ttft >= MIN_LEARNED_MS)
-            or (tpot is not None and tpot >= MIN_LEARNED_MS)
-        ):
+        teaches = (ttft is not None and ttft >= MIN_LEARNED_MS) or (
+            tpot is not None and tpot >= MIN_LEARNED_MS
+        )
+        if reserve is not None:
+            if sampled[i] is False:
+                if teaches:
+                    predictor.skipped(address)
+                ttft = tpot = None
+            elif not teaches and not taught[i]:
+                predictor.unreserve(address)
+        elif sample is not None and teaches:
             if sampled[i] is None:
                 sampled[i] = sample(address, t)
             if not sampled[i]:

@@ -16,7 +16,9 @@ from servegate.scheduling.latency.predictor import LatencyPredictor
 from servegate.scheduling.request import LLMRequest, RequestKind
 
 
-def setup(headers: dict[str, str] | None = None) -> tuple[LatencyRouting, LLMRequest, Decision]:
+def setup(
+    headers: dict[str, str] | None = None, stream: bool = True
+) -> tuple[LatencyRouting, LLMRequest, Decision]:
     routing = LatencyRouting(LatencyPredictor(), {})
     s = EndpointState(Endpoint(address="a:1", url="http://a:1"))
     s.metrics = EndpointMetrics(scraped_at=1.0)
@@ -27,6 +29,7 @@ def setup(headers: dict[str, str] | None = None) -> tuple[LatencyRouting, LLMReq
         target_model="m",
         base_model="m",
         prompt_tokens=2000,
+        stream=stream,
         headers=headers or {},
     )
     return routing, req, Decision(endpoint=s, fallbacks=[])
@@ -151,7 +154,9 @@ def test_above_the_learning_cap_streams_are_learned_at_the_cap() -> None:
     # the first second's burst (20) and 20 a second after: not the ~595 streams seen
     assert 60 <= learned <= 20 + 20 * 3
     assert model.tpot_error.observations <= learned + 1  # the same streams, fewer ended
-    assert model.sampled_out > 500
+    # streams end 0.3 s after dispatch: by the last (at 10 + 599/200 s) the first 540 had
+    # ended, each with a TPOT to teach, and each was either learned or counted at its end
+    assert model.sampled_out + model.tpot_error.observations == 540
     assert len(model.pending) <= 61  # every finished one released its backlog
 
 
@@ -182,17 +187,65 @@ def test_one_sampling_decision_covers_a_streams_first_byte_and_its_end() -> None
         assert sample("servegate_latency_prediction_observations_total", labels) == 1
 
 
-def test_a_stream_first_seen_at_its_end_is_sampled_there() -> None:
+def test_streams_are_sampled_at_dispatch_and_counted_as_sampled_out_at_their_end() -> None:
     routing, req, decision = setup()
-    routing.predictor.learn_per_s = 1.0
+    routing.predictor.learn_per_s = 1.0  # a bucket of one
     tickets = [dispatch(routing, req, decision) for _ in range(2)]
+    assert [t.sampled for _, t in tickets] == [True, False]
+    assert list(routing.awaiting_first_token.values()) == [tickets[0][1]]  # only the learned
+    model = routing.predictor.endpoints["a:1"]
+    assert model.sampled_out == 0  # not yet known to have anything to teach
     for record, ticket in tickets:
         record.endpoint, record.status, record.stream = "a:1", 200, True
         record.ttft_ms, record.completion_tokens = 250.0, 11
         ticket.done(record, now=11.0)
-    model = routing.predictor.endpoints["a:1"]
     assert (model.ttft_error.observations, model.tpot_error.observations) == (1, 1)
-    assert [t.sampled for _, t in tickets] == [None, None]
+    assert model.sampled_out == 1
+
+
+def test_a_sampled_out_stream_is_not_tracked_nor_learned_and_a_sampled_one_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    routing, req, decision = setup()
+    routing.predictor.learn_per_s = 1.0  # a bucket of one
+    learned: list[float] = []
+    ended: list[tuple[float | None, float | None]] = []
+    predictor = routing.predictor
+    monkeypatch.setattr(predictor, "learn_ttft", lambda a, p, t, u=None: learned.append(t))
+    monkeypatch.setattr(
+        predictor, "completed", lambda a, k, p, t, tp, u=None: ended.append((t, tp))
+    )
+    (first, a), (second, b) = dispatch(routing, req, decision), dispatch(routing, req, decision)
+    for record in (first, second):
+        record.endpoint, record.status, record.stream = "a:1", 200, True
+        record.ttft_ms = 250.0
+    routing.learn_first_tokens(10.5)
+    assert learned == [pytest.approx(200.0)]  # the sampled stream's TTFT, from dispatch (50 ms) on
+    for record, ticket in ((first, a), (second, b)):
+        record.completion_tokens = 11
+        ticket.done(record, now=11.25)
+    assert ended == [(None, pytest.approx(100.0))]  # only the sampled stream reaches the learning
+    # the sampled-out one released its backlog without it (`completed`, stubbed, would the other's)
+    assert list(predictor.endpoints["a:1"].pending) == [a.key]
+    assert second.predicted_ttft_ms is not None  # every request's prediction is logged
+
+
+def test_a_request_that_asked_for_no_stream_is_not_sampled_unless_streamed() -> None:
+    routing, req, decision = setup(stream=False)
+    routing.predictor.learn_per_s = 1.0
+    record, ticket = dispatch(routing, req, decision)
+    assert ticket.sampled is None and not routing.awaiting_first_token
+    record.endpoint, record.status, record.ttft_ms, record.completion_tokens = "a:1", 200, 250.0, 11
+    ticket.done(record, now=11.0)  # a JSON answer: nothing learned, no place taken
+    model = routing.predictor.endpoints["a:1"]
+    assert (model.ttft_error.observations, model.sampled_out) == (0, 0)
+    assert not model.pending
+    tickets = [dispatch(routing, req, decision) for _ in range(2)]
+    for record, ticket in tickets:  # answered with streams after all: sampled at their end
+        record.endpoint, record.status, record.stream = "a:1", 200, True
+        record.ttft_ms, record.completion_tokens = 250.0, 11
+        ticket.done(record, now=11.0)
+    assert (model.ttft_error.observations, model.tpot_error.observations) == (1, 1)
     assert model.sampled_out == 1
 
 
@@ -203,8 +256,8 @@ def test_a_stream_that_teaches_nothing_takes_no_place_under_the_cap() -> None:
     burst.endpoint, burst.status, burst.stream = "a:1", 200, True
     burst.ttft_ms, burst.completion_tokens = 50.2, 11  # 0.2 ms after dispatch: one burst
     routing.learn_first_tokens(10.5)
-    burst_ticket.done(burst, now=10.05)  # and its tokens all at once
-    assert burst_ticket.sampled is None
+    burst_ticket.done(burst, now=10.05)  # and its tokens all at once: its place goes back
+    assert burst_ticket.sampled
     record, ticket = dispatch(routing, req, decision)
     record.endpoint, record.status, record.stream = "a:1", 200, True
     record.ttft_ms, record.completion_tokens = 250.0, 11

@@ -319,6 +319,44 @@ def test_the_one_pass_scan_equals_the_backlog_and_overdue_passes() -> None:
         assert model.scan(now) == (*model.load(now), model.overdue(now))
 
 
+def _overdue_by_a_full_pass(
+    pending: dict[int, tuple[float, float, int, _First | None]], now: float
+) -> float:
+    worst = 1.0
+    for sent, done, _, first in pending.values():
+        if first is not None and first.ttft_ms is None and done > sent:
+            worst = max(worst, (now - sent) / (done - sent))
+    return worst
+
+
+def test_overdue_skips_its_pass_only_while_no_first_token_can_be_overdue() -> None:
+    predictor = LatencyPredictor()
+    rng = random.Random(11)
+    model = predictor.model("a:1")
+    firsts: dict[int, _First] = {}
+    now = 0.0
+    passes = 0
+    for _ in range(3000):  # requests sent, first tokens seen, requests ended, time passing
+        now += rng.expovariate(200.0)
+        action = rng.random()
+        if action < 0.4:
+            first = _First(None)
+            p = predictor.predict(state("a:1"), rng.randrange(1, 4000), 0.0, None, now)
+            firsts[predictor.dispatched("a:1", p, now, first)] = first
+        elif action < 0.7 and firsts:
+            firsts[rng.choice(list(firsts))].ttft_ms = 1.0
+        elif firsts:
+            key = rng.choice(list(firsts))
+            del firsts[key]
+            predictor.completed("a:1", key, p, None, None)
+        at = now + rng.choice([0.0, 0.01, 0.1, 1.0, 10.0])
+        expected = _overdue_by_a_full_pass(model.pending, at)  # type: ignore[arg-type]
+        passes += at > model.due
+        assert model.overdue(at) == expected
+        assert model.scan(at) == (*model.load(at), expected)
+    assert 100 < passes < 2900  # both ways were taken
+
+
 def test_a_prediction_builds_its_feature_vectors_from_what_it_read() -> None:
     predictor = LatencyPredictor()
     s = state("a:1", in_flight=3, waiting=2, kv=0.4)

@@ -7,13 +7,16 @@ Three calls from the request path (`app.py`), none inside the pure scheduling ca
   admitter's `queueTimeoutMs`) or is shed with 429 `rejected-slo`.
 - `dispatch` (after the decision, before the prefix indexes learn it): the chosen
   endpoint's predicted TTFT/TPOT go into the access record (and the debug header),
-  its in-flight prompt backlog grows; returns a `Ticket`.
-- `admit` also teaches the predictor the TTFT of every stream whose first byte was
-  relayed since (from dispatch to the first byte; `Ticket.learnable_ttft_ms`): learnt
-  then, before the next decision, not seconds later when the stream ends.
+  its in-flight prompt backlog grows, and a request that asked for a stream is
+  sampled (`LatencyPredictor.reserve`, the learning-rate cap); returns a `Ticket`.
+- `admit` also teaches the predictor the TTFT of every sampled stream whose first byte
+  was relayed since (from dispatch to the first byte; `Ticket.learnable_ttft_ms`):
+  learnt then, before the next decision, not seconds later when the stream ends.
 - `Ticket.done` (when the request ends, whatever the outcome): the backlog shrinks
-  and a completed stream teaches the predictor its TPOT (the rest of the stream over
-  the remaining completion tokens), and its TTFT if that was not learnt yet.
+  and a completed sampled stream teaches the predictor its TPOT (the rest of the
+  stream over the remaining completion tokens), and its TTFT if that was not learnt
+  yet. A JSON answer or a stream over the cap only releases its backlog and counts
+  for the SLO outcomes: it was never tracked for its first byte.
 
 Accuracy and SLO outcomes are exported from the runtime's registry (`_Collector`).
 """
@@ -67,7 +70,7 @@ class Ticket:
 
     __slots__ = (
         "_done", "address", "dispatched_ms", "key", "learned_ttft_ms", "owner", "prediction",
-        "predictions", "record", "sampled", "slo", "started",
+        "predictions", "record", "sampled", "slo", "started", "taught",
     )  # fmt: skip
 
     def __init__(
@@ -81,6 +84,7 @@ class Ticket:
         dispatched_ms: float,
         predictions: Mapping[str, tuple[float, float]],
         record: AccessRecord,
+        sampled: bool | None,
     ) -> None:
         self.owner = owner
         self.record = record
@@ -93,12 +97,16 @@ class Ticket:
         self.predictions = predictions
         """The request's memo of every scored candidate's predictions (not copied: `debug`
         reads it right after dispatch)."""
+        self.sampled = sampled
+        """`LatencyPredictor.reserve`'s answer, asked at dispatch for a request that asked
+        for a stream: True, learn what it shows (its TTFT at the first byte, its TPOT at
+        the end); False, learn nothing (counted as sampled out at the end if it had
+        something to teach). None for a request that did not ask for a stream: nothing
+        to learn, unless its answer is a stream after all, then sampled at its end."""
         self.learned_ttft_ms: float | None = None
-        """The TTFT seen at the first byte, taught to the predictor if `sampled` (once:
-        never again at `done`)."""
-        self.sampled: bool | None = None
-        """`LatencyPredictor.sample`'s answer for this stream, asked at its first
-        observation and kept for the other (None: not asked yet)."""
+        """The TTFT seen at the first byte of a sampled stream (once: never again at `done`)."""
+        self.taught = False
+        """A sampled stream taught its TTFT at the first byte."""
         self._done = False
 
     @property
@@ -118,19 +126,17 @@ class Ticket:
         return max(0.0, r.ttft_ms - self.dispatched_ms)
 
     def first_token(self, now: float) -> bool:
-        """Teach the TTFT if it is known by `now` (and the stream is sampled); True once
-        the ticket needs no more looks."""
+        """Teach a sampled stream's TTFT if it is known (by `now`); True once the ticket
+        needs no more looks."""
         if self._done or self.learned_ttft_ms is not None:
             return True
         ttft = self.learnable_ttft_ms
         if ttft is None:
             return self.record.ttft_ms is not None  # a first byte that teaches nothing
         self.learned_ttft_ms = ttft
-        if ttft >= MIN_LEARNED_MS:  # else nothing to learn: no sampling decision either
-            predictor = self.owner.predictor
-            self.sampled = sampled = predictor.sample(self.address, now)
-            if sampled:
-                predictor.learn_ttft(self.address, self.prediction, ttft)
+        if ttft >= MIN_LEARNED_MS:  # else nothing to learn
+            self.owner.predictor.learn_ttft(self.address, self.prediction, ttft)
+            self.taught = True
         return True
 
     def debug(self, headers: dict[str, str]) -> None:
@@ -149,47 +155,60 @@ class Ticket:
         headers[DEBUG_HEADER] = orjson.dumps(body).decode()
 
     def done(self, record: AccessRecord, now: float) -> None:
-        """The request ended: release its backlog and learn what it showed."""
+        """The request ended: release its backlog, count its SLO outcome and, for a sampled
+        stream, learn what it showed."""
         if self._done:
             return
         self._done = True
-        self.owner.awaiting_first_token.pop(self.key, None)
-        ttft: float | None = None
-        tpot: float | None = None
-        served_here = record.endpoint == self.address
+        sampled = self.sampled
+        owner = self.owner
+        predictor = owner.predictor
         ok = record.status == 200 and record.error is None
-        if ok and record.ttft_ms is not None:
-            total_ms = (now - self.started) * 1000.0
-            tokens = record.completion_tokens
-            if record.stream and tokens is not None and tokens > 1:
-                tpot = max(0.0, total_ms - record.ttft_ms) / (tokens - 1)
-                record.tpot_ms = tpot
-            if record.stream:
-                ttft = max(0.0, record.ttft_ms - self.dispatched_ms)
-        learn = ok and served_here and record.prefill_endpoint is None
-        uncached = None
-        if record.prompt_tokens is not None and record.cached_tokens is not None:
-            uncached = max(0, record.prompt_tokens - record.cached_tokens)
-        if self.learned_ttft_ms is not None:
-            ttft = None
-        predictor = self.owner.predictor
-        if learn and (
-            (ttft is not None and ttft >= MIN_LEARNED_MS)
-            or (tpot is not None and tpot >= MIN_LEARNED_MS)
-        ):
-            sampled = self.sampled
-            if sampled is None:
-                sampled = predictor.sample(self.address, now)
-            learn = sampled
-        predictor.completed(
-            self.address,
-            self.key,
-            self.prediction,
-            ttft if learn else None,
-            tpot if learn else None,
-            uncached,
-        )
-        self.owner.count_slo(self.slo, record.ttft_ms if ok else None, tpot if ok else None)
+        tpot: float | None = None
+        if record.stream:
+            if sampled:
+                owner.awaiting_first_token.pop(self.key, None)
+            ttft: float | None = None
+            first_ms = record.ttft_ms
+            if ok and first_ms is not None:
+                tokens = record.completion_tokens
+                if tokens is not None and tokens > 1:
+                    total_ms = (now - self.started) * 1000.0
+                    tpot = max(0.0, total_ms - first_ms) / (tokens - 1)
+                    record.tpot_ms = tpot
+                if self.learned_ttft_ms is None:
+                    ttft = max(0.0, first_ms - self.dispatched_ms)
+            teaches = (
+                ok
+                and record.endpoint == self.address
+                and record.prefill_endpoint is None
+                and (
+                    (ttft is not None and ttft >= MIN_LEARNED_MS)
+                    or (tpot is not None and tpot >= MIN_LEARNED_MS)
+                )
+            )
+            if sampled is None:  # asked for no stream, answered with one: sampled here
+                sampled = teaches and predictor.sample(self.address, now)
+            elif not sampled:
+                if teaches:
+                    predictor.skipped(self.address)
+            elif not teaches and not self.taught:
+                predictor.unreserve(self.address)  # it taught nothing: its place goes back
+            if sampled and teaches:
+                uncached = None
+                if record.prompt_tokens is not None and record.cached_tokens is not None:
+                    uncached = max(0, record.prompt_tokens - record.cached_tokens)
+                predictor.completed(self.address, self.key, self.prediction, ttft, tpot, uncached)
+            else:
+                predictor.release(self.address, self.key)
+        else:  # a JSON answer: nothing to learn
+            if sampled:  # asked for a stream, answered without one (an error): nothing taught
+                owner.awaiting_first_token.pop(self.key, None)
+                predictor.unreserve(self.address)
+            predictor.release(self.address, self.key)
+        slo = self.slo
+        if slo.ttft_ms is not None or slo.tpot_ms is not None:
+            owner.count_slo(slo, record.ttft_ms if ok else None, tpot if ok else None)
 
 
 class LatencyRouting:
@@ -230,7 +249,8 @@ class LatencyRouting:
         current when it was admitted after waiting.
         """
         request.cache[ARRIVED_KEY] = started
-        self.learn_first_tokens(started)
+        if self.awaiting_first_token:  # only sampled streams wait there
+            self.learn_first_tokens(started)
         admitter = self.admitter
         if admitter is None:
             return None
@@ -281,12 +301,16 @@ class LatencyRouting:
         record.dispatched_ms = round(dispatched_ms, 3)
         record.slo_ttft_ms = slo.ttft_ms
         record.slo_tpot_ms = slo.tpot_ms
-        key = self.predictor.dispatched(state.endpoint.address, prediction, cycle.now, record)
+        address = state.endpoint.address
+        predictor = self.predictor
+        key = predictor.dispatched(address, prediction, cycle.now, record)
+        sampled = predictor.reserve(address, cycle.now) if request.stream else None
         ticket = Ticket(
-            self, state.endpoint.address, key, prediction, slo, started, dispatched_ms,
-            memo if isinstance(memo, dict) else _NO_PREDICTIONS, record,
+            self, address, key, prediction, slo, started, dispatched_ms,
+            memo if isinstance(memo, dict) else _NO_PREDICTIONS, record, sampled,
         )  # fmt: skip
-        self.awaiting_first_token[key] = ticket
+        if sampled:
+            self.awaiting_first_token[key] = ticket
         return ticket
 
     def count_slo(self, slo: Slo, ttft_ms: float | None, tpot_ms: float | None) -> None:

@@ -51,9 +51,10 @@ endpoint that differs otherwise moves away as its own data arrives. Before an en
 has taught any TTFT, a request of its still waiting past its predicted first token is
 the only evidence of its speed (`cold_factor`).
 
-Learning is capped per endpoint (`sample`, `learn_per_s`): the gateway asks once per
-stream whether to learn from it; below the cap every stream is learned, above it an
-evenly spaced `learn_per_s` a second, the rest only releasing their backlog.
+Learning is capped per endpoint (`reserve`, `learn_per_s`): the gateway asks once per
+stream, at its dispatch, whether to learn from it; below the cap every stream is
+learned, above it an evenly spaced `learn_per_s` a second, the rest only releasing
+their backlog (and paying for no first-token tracking or learning).
 """
 
 from __future__ import annotations
@@ -208,11 +209,18 @@ class EndpointModel:
     ttft_speed: Speed = field(default_factory=Speed)
     tpot_speed: Speed = field(default_factory=Speed)
     learn_budget: float = math.inf
-    """Streams `sample` may still let this endpoint learn from, as of `learn_budget_at`
+    """Streams `reserve` may still let this endpoint learn from, as of `learn_budget_at`
     (full to start with: clipped to the bucket's size when first read)."""
     learn_budget_at: float = -math.inf
     sampled_out: int = 0
-    """Streams not learned from because the endpoint was over the learning-rate cap."""
+    """Streams not learned from because the endpoint was over the learning-rate cap
+    (counted at their end, and only those that had something to teach)."""
+    due: float = math.inf
+    """No request here still waiting for its first token was predicted to have it
+    before this (a lower bound, raised by every full pass): until then none is
+    overdue, and `overdue` need not look (the cold factor asks it of every endpoint
+    per prediction, which made a cold pool's predictions a pass over everything in
+    flight)."""
 
     def backlog(self, now: float) -> int:
         """Uncached prompt tokens dispatched here whose prefill is not done by `now` (no
@@ -244,10 +252,13 @@ class EndpointModel:
         total = 0.0
         count = 0
         worst = 1.0
+        due = math.inf
         for sent_at, done_at, tokens, first in self.pending.values():
             if first is not None:
                 if first.ttft_ms is not None:
                     continue
+                if done_at < due:
+                    due = done_at
                 if done_at > sent_at:
                     ratio = (now - sent_at) / (done_at - sent_at)
                     if ratio > worst:
@@ -260,19 +271,31 @@ class EndpointModel:
             else:
                 left = (done_at - now) / (done_at - sent_at)
                 total += tokens * (left if left > REMAINING_FLOOR else REMAINING_FLOOR)
+        self.due = due
         return int(total), count, worst
 
     def overdue(self, now: float) -> float:
         """How far past its predicted first token the most overdue request still waiting
         for one is, as a multiple of that prediction (1.0 when none is): its TTFT is at
-        least that many times what was predicted."""
+        least that many times what was predicted.
+
+        Before `due` every such request's ratio is at most 1 (`now` ≤ its predicted
+        end), so the answer is 1.0 without a pass."""
+        if now <= self.due:
+            return 1.0
         worst = 1.0
+        due = math.inf
         for sent_at, done_at, _, first in self.pending.values():
-            if first is None or first.ttft_ms is not None or done_at <= sent_at:
+            if first is None or first.ttft_ms is not None:
+                continue
+            if done_at < due:
+                due = done_at
+            if done_at <= sent_at:
                 continue
             ratio = (now - sent_at) / (done_at - sent_at)
             if ratio > worst:
                 worst = ratio
+        self.due = due
         return worst
 
     def recent_rate(self, now: float) -> float:
@@ -428,7 +451,7 @@ class LatencyPredictor:
         cold = model is None or model.ttft_error.observations == 0
         worst = 1.0
         if model is not None and model.pending:
-            if cold:
+            if cold and now > model.due:  # some first token may be overdue: in the same pass
                 tokens, prefilling, worst = model.scan(now)
             else:
                 tokens, prefilling = model.load(now)
@@ -502,7 +525,7 @@ class LatencyPredictor:
             b = model.tpot.theta if model.tpot.effective_n > 0.0 else self.pool_tpot.theta
             cold = model.ttft_error.observations == 0
             if model.pending:
-                if cold:  # how overdue its first tokens are, in the same pass
+                if cold and now > model.due:  # how overdue its first tokens are, in the same pass
                     tokens, prefilling, worst = model.scan(now)
                 else:
                     tokens, prefilling = model.load(now)
@@ -542,8 +565,19 @@ class LatencyPredictor:
     # -- writes (the gateway, outside scheduling) ---------------------------------------
     def sample(self, address: str, now: float) -> bool:
         """Whether the endpoint's models should learn from a stream whose first
-        observation is in at `now`; asked once per stream, its answer holds for both
-        of the stream's observations (TTFT and TPOT).
+        observation is in at `now`, counting a refusal in `sampled_out`: `reserve`
+        for a stream known to teach something (one sampled at its end)."""
+        if self.reserve(address, now):
+            return True
+        self.endpoints[address].sampled_out += 1
+        return False
+
+    def reserve(self, address: str, now: float) -> bool:
+        """Whether the endpoint's models should learn from a stream dispatched at `now`;
+        asked once per stream, its answer holds for both of the stream's observations
+        (TTFT and TPOT). A refusal is not counted here: only a stream that turns out to
+        have something to teach is (`skipped`), and a stream let through that teaches
+        nothing gives its place back (`unreserve`).
 
         A token bucket per endpoint, refilled at `learn_per_s` and holding
         `LEARN_BURST_S` of it (at least one stream): below the cap every stream is learned (the predictions
@@ -552,14 +586,15 @@ class LatencyPredictor:
         statistics updates and solves per stream; past a few hundred streams a second
         more of them add CPU, not accuracy, and the forgetting (per observation) would
         otherwise shrink the models' memory to a fraction of a second. `now` need not
-        increase from call to call (the first byte of a stream is noticed at a later
-        request's arrival, which may have waited in a queue): an earlier `now` refills
-        nothing, and the bucket refills from the latest one seen.
+        increase from call to call (requests may have waited in a queue): an earlier
+        `now` refills nothing, and the bucket refills from the latest one seen.
         """
         rate = self.learn_per_s
         if rate <= 0.0:
             return True
-        model = self.model(address)
+        model = self.endpoints.get(address)
+        if model is None:
+            model = self.model(address)
         budget = model.learn_budget
         if now > model.learn_budget_at:
             budget += (now - model.learn_budget_at) * rate
@@ -573,8 +608,31 @@ class LatencyPredictor:
             model.learn_budget = budget - 1.0
             return True
         model.learn_budget = budget
-        model.sampled_out += 1
         return False
+
+    def unreserve(self, address: str) -> None:
+        """A stream `reserve` let through taught nothing (it failed, a fallback served it,
+        it came in one burst): its place goes back to the bucket, so that such streams
+        take none (as when streams were sampled at their first observation)."""
+        rate = self.learn_per_s
+        model = self.endpoints.get(address)
+        if rate <= 0.0 or model is None:
+            return
+        full = rate * LEARN_BURST_S
+        if full < 1.0:
+            full = 1.0
+        budget = model.learn_budget + 1.0
+        model.learn_budget = budget if budget < full else full
+
+    def skipped(self, address: str) -> None:
+        """A stream `reserve` refused had something to teach: count it in `sampled_out`."""
+        self.model(address).sampled_out += 1
+
+    def release(self, address: str, key: int) -> None:
+        """`completed` with nothing to learn: the request's backlog entry goes."""
+        model = self.endpoints.get(address)
+        if model is not None:
+            model.pending.pop(key, None)
 
     def dispatched(
         self,
@@ -594,6 +652,8 @@ class LatencyPredictor:
         done_at = now + prediction.ttft_ms / 1000.0
         tokens = prediction.uncached_tokens
         model.pending[key] = (now, done_at, tokens, first_token)
+        if first_token is not None and done_at < model.due:
+            model.due = done_at
         model.sent(tokens, now)
         model.dispatched += 1
         return key
