@@ -57,6 +57,7 @@ from servegate.scheduling.profiles import (
     SingleProfileHandler,
 )
 from servegate.scheduling.request import LLMRequest
+from servegate.scheduling.sticky import StickyPath
 
 PLUGIN_BUCKETS_S = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 """Upper bounds of the per-call duration buckets (llm-d's plugin-duration buckets)."""
@@ -411,6 +412,7 @@ class Scheduler:
         "_plans",
         "_pre_calls",
         "_single",
+        "_sticky",
         "_timings",
         "exhaustive_limit",
         "handler",
@@ -481,6 +483,9 @@ class Scheduler:
             HeaderProfileHandler,
         ):
             self._single = next(iter(self.profiles.items()))
+        self._sticky = None if self._single is None else StickyPath.of(self._single[1])
+        """The default profile's shape in one call (`sticky.py`), for small pools on untimed
+        cycles of the single profile; None when the profile has another shape."""
         hooks_pre = [p for p in self.plugins.values() if isinstance(p, PreRequest)]
         # plugins that read what the indexes held before this decision go first
         self._hooks_pre = sorted(
@@ -512,7 +517,13 @@ class Scheduler:
                 # what the handler would do, without asking it: run the one profile, and
                 # its ranking is the decision (`only_result`)
                 name, profile = single
-                result = self._run_profile(profile, cycle, request, candidates, 0)
+                sticky = self._sticky
+                n = len(candidates)
+                if sticky is not None and n <= FUSED_LIMIT and n <= self.exhaustive_limit:
+                    endpoints, spare, raws = sticky.scores(cycle, request, candidates)
+                    result = self._ranked(self._plans[name], cycle, request, endpoints, raws, spare)
+                else:
+                    result = self._run_profile(profile, cycle, request, candidates, 0)
                 if result is None:
                     stats.no_candidates += 1
                     raise NoCandidates(f"no endpoint survived the scheduling profiles ({name})")
@@ -642,7 +653,6 @@ class Scheduler:
             endpoints = self._shortlist(plan, cycle, request, endpoints)
         elif endpoints is candidates or endpoints is remembered:
             endpoints = list(endpoints)  # lists others hold are never handed to plugins
-        n = len(endpoints)
         if weight:
             raws: list[Sequence[float]] = []
             for scoring in plan.scorers:
@@ -653,6 +663,22 @@ class Scheduler:
                 t0 = t1
         else:
             raws = [score(cycle, request, endpoints) for score in plan.score_calls]
+        return self._ranked(plan, cycle, request, endpoints, raws, spare, weight)
+
+    def _ranked(
+        self,
+        plan: _Plan,
+        cycle: CycleState,
+        request: LLMRequest,
+        endpoints: list[EndpointState],
+        raws: list[Sequence[float]],
+        spare: list[EndpointState],
+        weight: int = 0,
+    ) -> ProfileResult | None:
+        """The weighted sums of the scorers' `raws` for `endpoints`, the picker's ranking,
+        and `spare` (what a preference filter removed) after it; the picker is timed when
+        `weight` is not 0."""
+        n = len(endpoints)
         if not raws:
             totals = [0.0] * n
         elif n <= FUSED_LIMIT:

@@ -496,6 +496,10 @@ class PrefixCacheScorer:
         known = already_scored(cycle, self.name, endpoints)
         if known is not None:
             return known
+        return self.match(request, endpoints)
+
+    def match(self, request: LLMRequest, endpoints: list[EndpointState]) -> list[float]:
+        """`score` from this scorer's own index, computed anew (no producer, no sharing)."""
         keys = self.block_keys(request)
         if not keys:
             return [0.0] * len(endpoints)
