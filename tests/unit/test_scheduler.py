@@ -311,6 +311,45 @@ def test_hooks_reach_every_plugin_that_implements_them() -> None:
     assert hooks[("ResponseComplete", "recorder")].calls == 16
 
 
+class Idle(Recorder):
+    """A hook that says it records nothing here (`RECORDS_DECISIONS`)."""
+
+    records_decisions = False
+
+
+def test_hooks_that_record_nothing_run_only_on_timed_calls() -> None:
+    idle, recorder = Idle(), Recorder()
+    idle.name = "idle"
+    profile = SchedulerProfile("default", [], [], MaxScorePicker())
+    scheduler = Scheduler(
+        {"default": profile}, SingleProfileHandler(), {"idle": idle, "recorder": recorder}
+    )
+    eps = pool(1)
+    for i in range(32):
+        decision = scheduler.schedule(REQUEST, eps, cycle())
+        scheduler.pre_request(REQUEST, decision, float(i))
+    assert [now for _, _, now in recorder.calls] == [float(i) for i in range(32)]
+    assert [now for _, _, now in idle.calls] == [0.0, 16.0]  # the timed calls, 1 in 16
+    hooks = scheduler.stats.hooks
+    assert hooks[("PreRequest", "idle")].calls == hooks[("PreRequest", "recorder")].calls == 32
+
+
+def test_an_affinity_filter_records_only_with_an_index_of_its_own() -> None:
+    from servegate.scheduling.affinity import AffinityFilterParameters, PrefixCacheAffinityFilter
+    from servegate.scheduling.prefix.approx import ApproxPrefixParameters, PrefixCacheScorer
+
+    params = AffinityFilterParameters.model_validate({})
+    unbound = PrefixCacheAffinityFilter("f", params)
+    assert unbound.records_decisions  # not bound yet: it may keep its own index
+    own = PrefixCacheAffinityFilter("f", params)
+    own.bind_plugins({})
+    assert own.records_decisions
+    reader = PrefixCacheAffinityFilter("f", params)
+    scorer = PrefixCacheScorer("prefix-cache-scorer", ApproxPrefixParameters())
+    reader.bind_plugins({"prefix-cache-scorer": scorer})
+    assert not reader.records_decisions
+
+
 def test_result_views_behave_like_read_only_mappings() -> None:
     eps = pool(2)
     scheduler = single(WeightedScorer(Fixed("a", [0.5, 1.0]), 2.0))

@@ -138,6 +138,11 @@ class PrefixCacheAffinityFilter:
             return
         self.prefix = find_prefix_scorer(self.type, plugins, named, "prefixMatchInfoProducerName")
 
+    @property
+    def records_decisions(self) -> bool:
+        """Only with an index of its own, or while not bound yet (`RECORDS_DECISIONS`)."""
+        return self.prefix is None or self._own is not None
+
     def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None:
         if self._own is not None:
             self._own.pre_request(request, decision, now)
@@ -449,7 +454,7 @@ class NoHitLRUScorer:
         """`score` with the prefix scorer's scores of `endpoints` already known (`match`;
         None: no prefix scorer, every request is cold)."""
         n = len(endpoints)
-        cold = match is None or max(match, default=0.0) <= 0.0
+        cold = match is None or not match or max(match) <= 0.0
         request.cache[self._state_key] = cold
         if not cold:
             return [0.5] * n

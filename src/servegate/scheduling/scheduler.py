@@ -37,6 +37,7 @@ from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.framework import (
     IDENTITY_ONLY,
     KEEPS_FALLBACKS,
+    RECORDS_DECISIONS,
     CycleState,
     Decision,
     Filter,
@@ -406,6 +407,7 @@ class Scheduler:
         "_filter_memo",
         "_hooks_complete",
         "_hooks_pre",
+        "_hooks_recording",
         "_index",
         "_index_of",
         "_phase",
@@ -491,6 +493,9 @@ class Scheduler:
         self._hooks_pre = sorted(
             hooks_pre, key=lambda p: not getattr(p, "reads_before_records", False)
         )
+        self._hooks_recording = [p for p in self._hooks_pre if getattr(p, RECORDS_DECISIONS, True)]
+        """The `PreRequest` plugins untimed calls run: those that may record something
+        (a timed call runs them all, so every hook's duration series keeps its samples)."""
         self._hooks_complete = [p for p in self.plugins.values() if isinstance(p, ResponseComplete)]
         for hook in self._hooks_pre:
             self.stats.hooks.setdefault((PRE_REQUEST, hook.name), PluginTiming(hook.type))
@@ -528,9 +533,7 @@ class Scheduler:
                     stats.no_candidates += 1
                     raise NoCandidates(f"no endpoint survived the scheduling profiles ({name})")
                 ranked = result.ranked
-                return Decision(
-                    endpoint=ranked[0], fallbacks=ranked[1:], profile=name, results={name: result}
-                )
+                return Decision(ranked[0], ranked[1:], None, name, {name: result})
             every = 0
         return self._schedule(request, candidates, cycle, every)
 
@@ -704,10 +707,10 @@ class Scheduler:
             return None
         if spare:
             ranked = [*ranked, *spare]
-        return ProfileResult(
-            ranked=ranked,
-            scores=ScoreTable(endpoints, plan.names, plan.weights, raws, plan.row),
-            totals=TotalsView(endpoints, totals),
+        return ProfileResult(  # (positional: cheaper than keywords)
+            ranked,
+            ScoreTable(endpoints, plan.names, plan.weights, raws, plan.row),
+            TotalsView(endpoints, totals),
         )
 
     def _shortlist(
@@ -754,7 +757,7 @@ class Scheduler:
         self._pre_calls += 1
         every = self.timing_every
         if self._pre_calls % every != self._phase:
-            for plugin in self._hooks_pre:
+            for plugin in self._hooks_recording:
                 plugin.pre_request(request, decision, now)
             return
         hooks = self.stats.hooks
