@@ -461,6 +461,12 @@ class NoHitLRUScorer:
         if n == 1:
             return [1.0]
         position = self.placements.position()
+        if n == 2:  # the stable sort of two below: the first unless the second is older
+            first, second = endpoints
+            older = position.get(second.endpoint.address, -1) < position.get(
+                first.endpoint.address, -1
+            )
+            return [0.0, 1.0] if older else [1.0, 0.0]
         order = [position.get(s.endpoint.address, -1) for s in endpoints]
         step = 1.0 / (n - 1)
         if max(order) < 0:  # none given a cold request yet: candidate order is the rank
