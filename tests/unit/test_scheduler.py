@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from servegate.gateway.histogram import Buckets
 from servegate.pool.endpoint import ROLE_LABEL, EndpointState
 from servegate.scheduling.filters import DecodeFilter, PrefillFilter
 from servegate.scheduling.framework import (
@@ -32,6 +33,7 @@ from servegate.scheduling.scheduler import (
     TotalsView,
     add_weighted,
     clamp,
+    fused_observe,
     fused_row,
     fused_totals,
     result_as_dict,
@@ -595,6 +597,37 @@ def test_a_generated_row_equals_the_weighted_row(
     for s in eps:
         assert written.weighted_row(s) == plain.weighted_row(s)
     assert written.weighted_row(endpoint_state("10.9.9.9:1")) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    columns=st.lists(
+        st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=3, max_size=3),
+        min_size=0,
+        max_size=7,
+    ),
+    weights=st.lists(st.floats(min_value=0.0, max_value=10.0), min_size=7, max_size=7),
+)
+def test_a_generated_observer_adds_what_the_loop_over_the_row_adds(
+    columns: list[list[float]], weights: list[float]
+) -> None:
+    """`fused_observe` writes out `observe_row`'s loop: each child gets the same count in
+    the same bucket and the same sum as observing `weighted_row`'s values one by one."""
+    used = weights[: len(columns)]
+    eps = pool(3)
+    names = [f"s{i}" for i in range(len(columns))]
+    plain = ScoreTable(eps, names, used, list(columns))
+    written = ScoreTable(eps, names, used, list(columns), None, fused_observe(used))
+    bounds = (0.0, 0.25, 0.5, 1.0, 2.0, 3.0)
+    for s in eps:
+        ours, theirs = [Buckets(bounds) for _ in names], [Buckets(bounds) for _ in names]
+        assert written.observe_row(s, ours) == plain.observe_row(s, theirs) == bool(names)
+        for child, value in zip(theirs, plain.weighted_row(s) or [], strict=True):
+            expected = Buckets(bounds)
+            expected.observe(value)
+            assert (child.counts, child.sum) == (expected.counts, expected.sum)
+        assert [(c.counts, c.sum) for c in ours] == [(c.counts, c.sum) for c in theirs]
+    assert not written.observe_row(endpoint_state("10.9.9.9:1"), [])
 
 
 def test_small_and_large_pools_rank_and_total_alike() -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from itertools import filterfalse
 from math import gcd
 from time import perf_counter_ns
-from typing import Any
+from typing import Any, Protocol
 
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.framework import (
@@ -131,7 +131,7 @@ class ScoreTable(Mapping[str, Mapping[str, float]]):
     when a row is read, exactly as they did for the totals.
     """
 
-    __slots__ = ("_endpoints", "_index", "_names", "_raw", "_row", "_weights")
+    __slots__ = ("_endpoints", "_index", "_names", "_observe", "_raw", "_row", "_weights")
 
     def __init__(
         self,
@@ -140,6 +140,7 @@ class ScoreTable(Mapping[str, Mapping[str, float]]):
         weights: list[float],
         raw: list[Sequence[float]],
         row: Row | None = None,
+        observe: Observe | None = None,
     ) -> None:
         self._endpoints = endpoints
         self._names = names
@@ -147,6 +148,8 @@ class ScoreTable(Mapping[str, Mapping[str, float]]):
         self._raw = raw
         self._row = row
         """`fused_row(weights)`, when the profile built one: `weighted_row` written out."""
+        self._observe = observe
+        """`fused_observe(weights)`, when the profile built one: `observe_row` written out."""
         self._index: dict[str, int] | None = None
 
     def _position(self, address: str) -> int:
@@ -173,6 +176,11 @@ class ScoreTable(Mapping[str, Mapping[str, float]]):
         profile: callers may key on its identity while they hold it)."""
         return self._names
 
+    @property
+    def scored(self) -> list[EndpointState]:
+        """The endpoints scored, in the table's order (read-only)."""
+        return self._endpoints
+
     def weighted_row(self, state: EndpointState) -> list[float] | None:
         """`state`'s weighted scores in `names` order, as `self[address]` gives them, without
         an address index or a dict; None when `state` was not scored."""
@@ -186,6 +194,26 @@ class ScoreTable(Mapping[str, Mapping[str, float]]):
             w if (x := column[i]) >= 1.0 else (w * x if x > 0.0 else 0.0)
             for w, column in zip(self._weights, self._raw, strict=True)
         ]
+
+    def observe_row(self, state: EndpointState, children: Sequence[Bins]) -> bool:
+        """Add `state`'s weighted scores (`weighted_row`'s values) to `children`, one
+        histogram child per scorer in `names` order: a count in the bucket whose bound is
+        the first at or above the value (`bisect_left`), and the value to the sum. False
+        (nothing added) when `state` was not scored or no scorer ran."""
+        try:
+            i = self._endpoints.index(state)  # by identity, in C
+        except ValueError:
+            return False
+        if not self._raw:
+            return False
+        if self._observe is not None:
+            self._observe(self._raw, i, children)
+            return True
+        values = self.weighted_row(state) or []
+        for child, value in zip(children, values, strict=True):
+            child.counts[bisect_left(child.bounds, value)] += 1
+            child.sum += value
+        return True
 
     def to_dict(self) -> dict[str, dict[str, float]]:
         names = self._names
@@ -303,6 +331,8 @@ class _Plan:
     """The weighted sums per endpoint with these weights, one comprehension (`fused_totals`)."""
     row: Row
     """A picked endpoint's weighted scores with these weights (`fused_row`)."""
+    observe: Observe
+    """The same, added to histogram children (`fused_observe`)."""
     picker: Picker
     picker_timing: PluginTiming
     shortlisters: tuple[Shortlister, ...]
@@ -341,12 +371,15 @@ Totals = Callable[[Sequence[Sequence[float]]], list[float]]
 Row = Callable[[Sequence[Sequence[float]], int], list[float]]
 
 
-def _with_weights(name: str, weights: Sequence[float], body: str) -> Any:
+def _with_weights(
+    name: str, weights: Sequence[float], body: str, names: Mapping[str, Any] | None = None
+) -> Any:
     """Function `name` compiled from `body`, with the weights as closure variables
-    `w0, w1, …` (the source text names only generated identifiers, never a value)."""
+    `w0, w1, …` (the source text names only generated identifiers, never a value) and
+    `names` as its globals."""
     ws = ", ".join(f"w{i}" for i in range(len(weights)))
     source = f"def make({ws}):\n{body}    return {name}\n"
-    namespace: dict[str, Any] = {}
+    namespace: dict[str, Any] = dict(names or {})
     exec(compile(source, f"<{name} {len(weights)}>", "exec"), namespace)
     return namespace["make"](*weights)
 
@@ -390,6 +423,40 @@ def fused_row(weights: Sequence[float]) -> Row:
     items = ", ".join(_clamped(j, f"(x{j} := r{j}[i])") for j in range(k))
     body = f"    def row(raws, i):\n        ({rs},) = raws\n        return [{items}]\n"
     made: Row = _with_weights("row", weights, body)
+    return made
+
+
+class Bins(Protocol):
+    """A histogram child `ScoreTable.observe_row` adds to (the gateway's `Buckets`)."""
+
+    bounds: tuple[float, ...]
+    counts: list[int]
+    sum: float
+
+
+Observe = Callable[[Sequence[Sequence[float]], int, Sequence[Bins]], None]
+
+
+def fused_observe(weights: Sequence[float]) -> Observe:
+    """`ScoreTable.observe_row`'s loop for position `i`, written out per scorer: the value
+    `fused_row` gives (the same expression), its bucket by `bisect_left`, the sum; no
+    list of values and no loop (`children` and `raws` must hold one item per weight, else
+    ValueError)."""
+    k = len(weights)
+    if k == 0:
+        return lambda raws, i, children: None
+    rs = ", ".join(f"r{j}" for j in range(k))
+    cs = ", ".join(f"c{j}" for j in range(k))
+    lines = [
+        f"    def observe(raws, i, children):\n        ({rs},) = raws\n        ({cs},) = children\n"
+    ]
+    for j in range(k):
+        lines.append(
+            f"        v = {_clamped(j, f'(x{j} := r{j}[i])')}\n"
+            f"        c{j}.counts[bisect_left(c{j}.bounds, v)] += 1\n"
+            f"        c{j}.sum += v\n"
+        )
+    made: Observe = _with_weights("observe", weights, "".join(lines), {"bisect_left": bisect_left})
     return made
 
 
@@ -597,6 +664,7 @@ class Scheduler:
             weights=[ws.weight for ws in profile.scorers],
             fused=fused_totals([ws.weight for ws in profile.scorers]),
             row=fused_row([ws.weight for ws in profile.scorers]),
+            observe=fused_observe([ws.weight for ws in profile.scorers]),
             picker=profile.picker,
             picker_timing=timings[(PICKER, profile.picker.name)],
             shortlisters=tuple(
@@ -709,7 +777,7 @@ class Scheduler:
             ranked = [*ranked, *spare]
         return ProfileResult(  # (positional: cheaper than keywords)
             ranked,
-            ScoreTable(endpoints, plan.names, plan.weights, raws, plan.row),
+            ScoreTable(endpoints, plan.names, plan.weights, raws, plan.row, plan.observe),
             TotalsView(endpoints, totals),
         )
 
