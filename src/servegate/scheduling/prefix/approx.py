@@ -548,5 +548,6 @@ class PrefixCacheScorer:
         for state in (decision.endpoint, decision.prefill):
             if state is not None:
                 capacity = self.capacity_for(state)
-                self.index.insert(state.address, keys, capacity, chained=True)
-                self.routing.inserted(self.name, state.address, keys, capacity)
+                address = state.endpoint.address
+                self.index.insert(address, keys, capacity, chained=True)
+                self.routing.inserted(self.name, address, keys, capacity)
