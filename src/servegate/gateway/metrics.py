@@ -623,13 +623,13 @@ class GatewayMetrics:
         scores = result.scores
         if isinstance(scores, ScoreTable):  # the scheduler's: its row and children, by list
             names = scores.names
-            if not names or decision.endpoint not in scores.scored:
-                return
             key = (pool, id(names))
             held = self._score_rows.get(key)
             if held is None or held[0] is not names:  # (holding `names` keeps its id unique)
+                if not names or decision.endpoint not in scores.scored:
+                    return  # (no children made for nothing to observe)
                 held = self._score_rows[key] = (names, [self._score_child(pool, n) for n in names])
-            scores.observe_row(decision.endpoint, held[1])
+            scores.observe_row(decision.endpoint, held[1])  # (nothing when not scored)
             return
         row = scores.get(decision.endpoint.endpoint.address)
         if not row:

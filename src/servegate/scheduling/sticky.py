@@ -126,7 +126,7 @@ class StickyPath:
             held = set(kept)  # `EndpointState` hashes by identity
             spare = [s for s in candidates if s not in held]
         if kept != candidates:  # (by identity, in C)
-            match = list(map(dict(zip(candidates, match, strict=True)).__getitem__, kept))
+            match = [match[i] for i in map(candidates.index, kept)]  # (a small pool)
         return kept, spare, self._columns(cycle, request, kept, match)
 
 
