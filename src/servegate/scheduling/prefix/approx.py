@@ -545,9 +545,11 @@ class PrefixCacheScorer:
         keys = self.block_keys(request)
         if not keys:
             return
+        routing = self.routing
         for state in (decision.endpoint, decision.prefill):
             if state is not None:
                 capacity = self.capacity_for(state)
                 address = state.endpoint.address
                 self.index.insert(address, keys, capacity, chained=True)
-                self.routing.inserted(self.name, address, keys, capacity)
+                if routing.listeners:  # (scale-out shares insertions)
+                    routing.inserted(self.name, address, keys, capacity)
