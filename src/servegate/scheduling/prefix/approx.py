@@ -229,6 +229,8 @@ class ApproxPrefixIndex:
             alone = self._alone.get(address)
             if alone is None:
                 alone = self._alone[address] = frozenset((address,))
+            evict = held.popitem
+            room = limit - len(held)  # `limit - len(held)` throughout, without a call per key
             for key in keys:
                 if key in held:
                     refresh(key)  # held already, so `where` names this address for it
@@ -241,10 +243,12 @@ class ApproxPrefixIndex:
                         holders.add(address)
                     else:
                         where[key] = {*holders, address}
-                if len(held) > limit:
+                room -= 1
+                if room < 0:
                     # one look-up for the usual key held alone (by this address); a shared
                     # key's set goes back without this address
-                    evicted = held.popitem(last=False)[0]
+                    room += 1
+                    evicted = evict(last=False)[0]
                     gone = pop(evicted, None)
                     if type(gone) is set:
                         gone.discard(address)
