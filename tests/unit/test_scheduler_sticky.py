@@ -14,6 +14,7 @@ from servegate.scheduling.affinity import NoHitLRUScorer, PrefixCacheAffinityFil
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
 from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.framework import CycleState, NoCandidates
+from servegate.scheduling.prefix.lookup import already_scored
 from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.scheduling.scheduler import Scheduler, result_as_dict
 from servegate.scheduling.sticky import StickyPath
@@ -106,6 +107,8 @@ def test_same_decisions_scores_and_side_effects(config: str, seed: int) -> None:
             except NoCandidates:
                 decisions.append(None)
                 continue
+            # what the latency layer's dispatch reads after the decision
+            left = already_scored(cycle, "prefix-cache-scorer", [decision.endpoint])
             scheduler.pre_request(request, decision, 100.0 + i)
             result = decision.results[decision.profile]
             decisions.append(
@@ -114,6 +117,7 @@ def test_same_decisions_scores_and_side_effects(config: str, seed: int) -> None:
                     result_as_dict(result),
                     {k: v for k, v in request.cache.items() if not k.startswith("prefix.")},
                     _observed(scheduler),
+                    None if left is None else list(left),
                     cycle_rng.random(),
                 )
             )

@@ -14,9 +14,11 @@ then the profile's generated sum and its picker. The same plugin code on the sam
 so the same decision, scores, outcome counters, request cache entries and rng draws
 (`tests/unit/test_scheduler_sticky.py` runs both paths side by side).
 
+The match is still left in the cycle's scratch space (`lookup.keep_match`), as the
+plugin-by-plugin path leaves it: the latency layer's dispatch reads the picked endpoint's
+after the decision (the third `PrefixCacheScorer.score` call per request in a profile).
 Only profiles of exactly that shape qualify (`StickyPath.of`); the other scorers must be
-ones that read nothing another plugin leaves in the cycle (`READS_NOTHING_SHARED`), since
-this path leaves no shared match there.
+ones known to read nothing another plugin leaves in the cycle (`READS_NOTHING_SHARED`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.affinity import NoHitLRUScorer, PrefixCacheAffinityFilter
 from servegate.scheduling.framework import CycleState, SchedulerProfile
 from servegate.scheduling.prefix.approx import PrefixCacheScorer
+from servegate.scheduling.prefix.lookup import keep_match
 from servegate.scheduling.prefix.precise import PrecisePrefixCacheScorer
 from servegate.scheduling.request import LLMRequest
 from servegate.scheduling.scorers import (
@@ -109,7 +112,9 @@ class StickyPath:
     ) -> tuple[list[EndpointState], list[EndpointState], list[Sequence[float]]]:
         """The filter's survivors (a list of this cycle's own), the endpoints it removed
         (last-resort fallbacks) and each scorer's raw scores of the survivors."""
-        match = self._prefix.match(request, candidates)
+        prefix = self._prefix
+        match = prefix.match(request, candidates)
+        keep_match(cycle, prefix.name, candidates, match)
         flt = self._filter
         n = len(candidates)
         if n > 1:
