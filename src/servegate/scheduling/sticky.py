@@ -59,7 +59,8 @@ READS_NOTHING_SHARED: Final = frozenset(
 
 
 class StickyPath:
-    """One profile of the default shape: filter, scorers and picker in one call."""
+    """One profile of the default shape: its filter and scorers in one call (the
+    scheduler then sums and picks as for any profile)."""
 
     __slots__ = ("_columns", "_filter", "_prefix")
 
