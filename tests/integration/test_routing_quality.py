@@ -147,9 +147,9 @@ async def test_the_bound_fails_when_the_approximate_scorer_breaks(
 ) -> None:
     picker: dict[str, Any] | None = None
     if broken == "score-zeros":
-        monkeypatch.setattr(
-            PrefixCacheScorer, "score", lambda self, cycle, request, eps: [0.0] * len(eps)
-        )
+        # `match` is the scorer's own computation: `score` and the default profile's
+        # one-call path (scheduling/sticky.py) both read it
+        monkeypatch.setattr(PrefixCacheScorer, "match", lambda self, request, eps: [0.0] * len(eps))
     elif broken == "no-pre-request":
         monkeypatch.setattr(PrefixCacheScorer, "pre_request", lambda self, *a: None)
     elif broken == "scheduler-skips-pre-request":

@@ -221,6 +221,27 @@ def test_cold_requests_go_round_the_replicas_least_recently_used_first() -> None
     assert list(s.lru) == ["e1:1", "e2:1", "e0:1"]
 
 
+def test_two_cold_candidates_rank_as_the_sort_does() -> None:
+    """Two candidates take a shortcut: the scores the stable sort gives, for every mix of
+    never-placed and placed replicas, in both orders."""
+    s = lru_scorer({})
+    three = eps((0, 0), (0, 0), (0, 0))
+    pairs = [[a, b] for a in three for b in three if a is not b]
+
+    def by_sorting(pair: list[EndpointState]) -> list[float]:
+        position = s.placements.position()
+        order = [position.get(p.address, -1) for p in pair]
+        ranked = sorted(range(2), key=order.__getitem__)
+        return [1.0 - rank for rank in sorted(range(2), key=ranked.__getitem__)]
+
+    for placed in ([], ["e2:1"], ["e0:1", "e1:1"], ["e1:1", "e2:1", "e0:1"]):
+        s.placements.lru.clear()
+        for address in placed:
+            s.placements.touch(address)
+        for pair in pairs:
+            assert list(s.score(cycle(), req(), pair)) == by_sorting(pair), (placed, pair)
+
+
 def test_the_lru_is_bounded() -> None:
     s = lru_scorer({}, lruSize=2)
     states = eps((0, 0), (0, 0), (0, 0))

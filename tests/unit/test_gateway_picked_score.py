@@ -79,3 +79,17 @@ def test_a_schedulers_score_table_records_what_its_rows_say() -> None:
             assert sample(fast, suffix, scorer.name) == sample(by_rows, suffix, scorer.name)
     assert fast.render() == by_rows.render()
     assert sample(fast, "count", "queue-scorer") == 20
+
+
+def test_an_endpoint_the_table_did_not_score_records_nothing() -> None:
+    """A decision whose endpoint is not in its profile's score table (another profile's
+    pick) observes nothing, before and after the pool's children exist."""
+    table = ScoreTable([A], ["queue-scorer"], [2.0], [[0.5]])
+    result = ProfileResult(ranked=[A], scores=table, totals={})
+    metrics = GatewayMetrics(lambda: [])
+    metrics.observe_pick("pool-a", Decision(endpoint=B, fallbacks=[], results={"default": result}))
+    assert sample(metrics, "count", "queue-scorer") is None
+    metrics.observe_pick("pool-a", Decision(endpoint=A, fallbacks=[], results={"default": result}))
+    metrics.observe_pick("pool-a", Decision(endpoint=B, fallbacks=[], results={"default": result}))
+    assert sample(metrics, "count", "queue-scorer") == 1
+    assert sample(metrics, "sum", "queue-scorer") == 1.0

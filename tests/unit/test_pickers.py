@@ -230,3 +230,15 @@ def test_round_robin_picker_rotates_through_the_pool_it_dispatches_to() -> None:
         chosen.append(eps.index(target))
     # 7 picks over 3 endpoints: 0, 1, 2, then the same cycle again; scores never matter.
     assert chosen == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_the_two_endpoint_coin_is_randrange_2_draw_for_draw() -> None:
+    from servegate.scheduling.pickers import _coin
+
+    class Counting(random.Random):
+        pass
+
+    for kind in (random.Random, Counting):
+        ours, theirs = kind(7), kind(7)
+        assert [_coin(ours) for _ in range(2000)] == [theirs.randrange(2) for _ in range(2000)]
+        assert ours.random() == theirs.random()

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from servegate.gateway.histogram import Buckets
 from servegate.pool.endpoint import ROLE_LABEL, EndpointState
 from servegate.scheduling.filters import DecodeFilter, PrefillFilter
 from servegate.scheduling.framework import (
@@ -32,6 +33,7 @@ from servegate.scheduling.scheduler import (
     TotalsView,
     add_weighted,
     clamp,
+    fused_observe,
     fused_row,
     fused_totals,
     result_as_dict,
@@ -311,6 +313,45 @@ def test_hooks_reach_every_plugin_that_implements_them() -> None:
     assert hooks[("ResponseComplete", "recorder")].calls == 16
 
 
+class Idle(Recorder):
+    """A hook that says it records nothing here (`RECORDS_DECISIONS`)."""
+
+    records_decisions = False
+
+
+def test_hooks_that_record_nothing_run_only_on_timed_calls() -> None:
+    idle, recorder = Idle(), Recorder()
+    idle.name = "idle"
+    profile = SchedulerProfile("default", [], [], MaxScorePicker())
+    scheduler = Scheduler(
+        {"default": profile}, SingleProfileHandler(), {"idle": idle, "recorder": recorder}
+    )
+    eps = pool(1)
+    for i in range(32):
+        decision = scheduler.schedule(REQUEST, eps, cycle())
+        scheduler.pre_request(REQUEST, decision, float(i))
+    assert [now for _, _, now in recorder.calls] == [float(i) for i in range(32)]
+    assert [now for _, _, now in idle.calls] == [0.0, 16.0]  # the timed calls, 1 in 16
+    hooks = scheduler.stats.hooks
+    assert hooks[("PreRequest", "idle")].calls == hooks[("PreRequest", "recorder")].calls == 32
+
+
+def test_an_affinity_filter_records_only_with_an_index_of_its_own() -> None:
+    from servegate.scheduling.affinity import AffinityFilterParameters, PrefixCacheAffinityFilter
+    from servegate.scheduling.prefix.approx import ApproxPrefixParameters, PrefixCacheScorer
+
+    params = AffinityFilterParameters.model_validate({})
+    unbound = PrefixCacheAffinityFilter("f", params)
+    assert unbound.records_decisions  # not bound yet: it may keep its own index
+    own = PrefixCacheAffinityFilter("f", params)
+    own.bind_plugins({})
+    assert own.records_decisions
+    reader = PrefixCacheAffinityFilter("f", params)
+    scorer = PrefixCacheScorer("prefix-cache-scorer", ApproxPrefixParameters())
+    reader.bind_plugins({"prefix-cache-scorer": scorer})
+    assert not reader.records_decisions
+
+
 def test_result_views_behave_like_read_only_mappings() -> None:
     eps = pool(2)
     scheduler = single(WeightedScorer(Fixed("a", [0.5, 1.0]), 2.0))
@@ -556,6 +597,37 @@ def test_a_generated_row_equals_the_weighted_row(
     for s in eps:
         assert written.weighted_row(s) == plain.weighted_row(s)
     assert written.weighted_row(endpoint_state("10.9.9.9:1")) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    columns=st.lists(
+        st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=3, max_size=3),
+        min_size=0,
+        max_size=7,
+    ),
+    weights=st.lists(st.floats(min_value=0.0, max_value=10.0), min_size=7, max_size=7),
+)
+def test_a_generated_observer_adds_what_the_loop_over_the_row_adds(
+    columns: list[list[float]], weights: list[float]
+) -> None:
+    """`fused_observe` writes out `observe_row`'s loop: each child gets the same count in
+    the same bucket and the same sum as observing `weighted_row`'s values one by one."""
+    used = weights[: len(columns)]
+    eps = pool(3)
+    names = [f"s{i}" for i in range(len(columns))]
+    plain = ScoreTable(eps, names, used, list(columns))
+    written = ScoreTable(eps, names, used, list(columns), None, fused_observe(used))
+    bounds = (0.0, 0.25, 0.5, 1.0, 2.0, 3.0)
+    for s in eps:
+        ours, theirs = [Buckets(bounds) for _ in names], [Buckets(bounds) for _ in names]
+        assert written.observe_row(s, ours) == plain.observe_row(s, theirs) == bool(names)
+        for child, value in zip(theirs, plain.weighted_row(s) or [], strict=True):
+            expected = Buckets(bounds)
+            expected.observe(value)
+            assert (child.counts, child.sum) == (expected.counts, expected.sum)
+        assert [(c.counts, c.sum) for c in ours] == [(c.counts, c.sum) for c in theirs]
+    assert not written.observe_row(endpoint_state("10.9.9.9:1"), [])
 
 
 def test_small_and_large_pools_rank_and_total_alike() -> None:

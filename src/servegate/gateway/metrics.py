@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import time
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -623,17 +622,14 @@ class GatewayMetrics:
             return
         scores = result.scores
         if isinstance(scores, ScoreTable):  # the scheduler's: its row and children, by list
-            values = scores.weighted_row(decision.endpoint)
-            if not values:
-                return
             names = scores.names
             key = (pool, id(names))
             held = self._score_rows.get(key)
             if held is None or held[0] is not names:  # (holding `names` keeps its id unique)
+                if not names or decision.endpoint not in scores.scored:
+                    return  # (no children made for nothing to observe)
                 held = self._score_rows[key] = (names, [self._score_child(pool, n) for n in names])
-            for child, value in zip(held[1], values, strict=True):
-                child.counts[bisect_left(child.bounds, value)] += 1
-                child.sum += value
+            scores.observe_row(decision.endpoint, held[1])  # (nothing when not scored)
             return
         row = scores.get(decision.endpoint.endpoint.address)
         if not row:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from servegate.pool.endpoint import Endpoint, EndpointMetrics, EndpointState
 from servegate.pool.sanity import MAX_IN_FLIGHT, MAX_IN_FLIGHT_TOKENS, in_flight_count, sane
@@ -20,10 +20,12 @@ class ModelEntry:
 
     id: str
     parent: str | None = None
+    base: str = field(init=False, repr=False, compare=False)
+    """`parent or id`: the model whose endpoints serve this one (read per request, so
+    set once here rather than computed by a property each time)."""
 
-    @property
-    def base(self) -> str:
-        return self.parent or self.id
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "base", self.parent or self.id)
 
 
 Listener = Callable[[str, EndpointState], None]

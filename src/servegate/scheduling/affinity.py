@@ -138,6 +138,11 @@ class PrefixCacheAffinityFilter:
             return
         self.prefix = find_prefix_scorer(self.type, plugins, named, "prefixMatchInfoProducerName")
 
+    @property
+    def records_decisions(self) -> bool:
+        """Only with an index of its own, or while not bound yet (`RECORDS_DECISIONS`)."""
+        return self.prefix is None or self._own is not None
+
     def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None:
         if self._own is not None:
             self._own.pre_request(request, decision, now)
@@ -174,36 +179,39 @@ class PrefixCacheAffinityFilter:
             self._count("exploration")
             return endpoints
         scores = prefix_scores(cycle, self.prefix, request, endpoints)
+        outcome, kept = self.verdict(request, endpoints, scores)
+        self._count(outcome)
+        return kept
+
+    def verdict(
+        self, request: LLMRequest, endpoints: list[EndpointState], scores: Sequence[float]
+    ) -> tuple[str, list[EndpointState]]:
+        """`filter`'s outcome and the endpoints kept, given the prefix scores of `endpoints`
+        (more than one endpoint, a threshold above 0, no exploration drawn); counts nothing."""
+        p = self.params
         threshold = p.affinity_threshold
         if max(scores) < threshold:
-            self._count("no-match")
-            return endpoints
+            return "no-match", endpoints
         if len(endpoints) <= SPLIT_LOOP_LIMIT:
-            outcome, kept = self._small_pool(request, endpoints, scores)
-            self._count(outcome)
-            return kept
+            return self._small_pool(request, endpoints, scores)
         sticky, sticky_scores, others, other_scores = _split(endpoints, scores, threshold)
         if not sticky:  # a NaN score first made `max` say otherwise
-            self._count("no-match")
-            return endpoints
+            return "no-match", endpoints
         if not others:
-            self._count("sticky")
-            return sticky
+            return "sticky", sticky
         # x / throughput · 1000 is monotonic in x, so its least (or greatest) value over
         # the replicas is that of the least (greatest) x, computed once
         sticky_tokens = [s.in_flight_tokens for s in sticky]
         other_tokens = [s.in_flight_tokens for s in others]
         token_penalty = p.max_tokens_in_flight_penalty
         if token_penalty > 0 and min(sticky_tokens) - min(other_tokens) > token_penalty:
-            self._count("token-load-override")
-            return endpoints
+            return "token-load-override", endpoints
         throughput = p.peak_prefill_throughput
         if p.max_ttft_penalty_ms > 0:
             best_sticky = min(sticky_tokens) / throughput * 1000.0
             best_other = min(other_tokens) / throughput * 1000.0
             if best_sticky - best_other > p.max_ttft_penalty_ms:
-                self._count("load-override")
-                return endpoints
+                return "load-override", endpoints
         if p.max_in_flight_requests_delta > 0:
             prompt = request.prompt_tokens
             # TTFT = queued tokens, then the prompt's uncached part, at the prefill rate
@@ -234,10 +242,8 @@ class PrefixCacheAffinityFilter:
                 least_sticky = min([s.in_flight_requests for s in sticky])
                 least_within = min([s.in_flight_requests for s in within])
                 if least_sticky - least_within > p.max_in_flight_requests_delta:
-                    self._count("request-load-override")
-                    return [*sticky, *within]
-        self._count("sticky")
-        return sticky
+                    return "request-load-override", [*sticky, *within]
+        return "sticky", sticky
 
     def _small_pool(
         self, request: LLMRequest, endpoints: list[EndpointState], scores: Sequence[float]
@@ -436,17 +442,31 @@ class NoHitLRUScorer:
     def score(
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
     ) -> Sequence[float]:
-        n = len(endpoints)
-        cold = (
-            self.prefix is None
-            or max(prefix_scores(cycle, self.prefix, request, endpoints), default=0.0) <= 0.0
+        if self.prefix is None:
+            return self.given_match(request, endpoints, None)
+        return self.given_match(
+            request, endpoints, prefix_scores(cycle, self.prefix, request, endpoints)
         )
+
+    def given_match(
+        self, request: LLMRequest, endpoints: list[EndpointState], match: Sequence[float] | None
+    ) -> list[float]:
+        """`score` with the prefix scorer's scores of `endpoints` already known (`match`;
+        None: no prefix scorer, every request is cold)."""
+        n = len(endpoints)
+        cold = match is None or not match or max(match) <= 0.0
         request.cache[self._state_key] = cold
         if not cold:
             return [0.5] * n
         if n == 1:
             return [1.0]
         position = self.placements.position()
+        if n == 2:  # the stable sort of two below: the first unless the second is older
+            first, second = endpoints
+            older = position.get(second.endpoint.address, -1) < position.get(
+                first.endpoint.address, -1
+            )
+            return [0.0, 1.0] if older else [1.0, 0.0]
         order = [position.get(s.endpoint.address, -1) for s in endpoints]
         step = 1.0 / (n - 1)
         if max(order) < 0:  # none given a cold request yet: candidate order is the rank

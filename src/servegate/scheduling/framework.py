@@ -187,6 +187,13 @@ class PreRequest(Protocol):
     def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None: ...
 
 
+RECORDS_DECISIONS = "records_decisions"
+"""An optional `PreRequest` attribute, read once when the scheduler is built (plugins
+bound): `False` when its `pre_request` does nothing in this configuration (a filter that
+reads another plugin's index, a precise scorer without speculative indexing), so the
+scheduler need not call it on every request. Absent means `True`."""
+
+
 @runtime_checkable
 class ResponseComplete(Protocol):
     def response_complete(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from random import Random
 from typing import Any, ClassVar, Self
 
 from pydantic import Field
@@ -76,16 +77,17 @@ class MaxScorePicker(_Picker):
             best = max(scores)
             ties = [i for i, s in enumerate(scores) if s == best]
             return [endpoints[ties[rng.randrange(len(ties))] if len(ties) > 1 else ties[0]]]
-        offset = rng.randrange(n)
         if n == 2 and k == 2:
             # what the general path does for two: the stable descending sort keeps the
             # order from `offset` unless the second scores higher (`<`, so NaN keeps it)
+            offset = _coin(rng)
             a, b = (0, 1) if offset == 0 else (1, 0)
             if scores[a] < scores[b]:
                 a, b = b, a
-            if scores[b] == scores[a] and rng.randrange(2):
+            if scores[b] == scores[a] and _coin(rng):
                 a, b = b, a
             return [endpoints[a], endpoints[b]]
+        offset = rng.randrange(n)
         order = list(range(offset, n))
         order.extend(range(offset))
         order.sort(key=scores.__getitem__, reverse=True)
@@ -99,6 +101,18 @@ class MaxScorePicker(_Picker):
         if k < n:
             del order[k:]
         return list(map(endpoints.__getitem__, order))
+
+
+def _coin(rng: Random) -> int:
+    """`rng.randrange(2)`, the same draw: for `random.Random` itself, its
+    `_randbelow_with_getrandbits(2)` written out (two bits, again while they make 2 or 3),
+    without the two Python calls in between."""
+    if type(rng) is not Random:
+        return rng.randrange(2)
+    r = rng.getrandbits(2)
+    while r >= 2:
+        r = rng.getrandbits(2)
+    return r
 
 
 class RandomPicker(_Picker):

@@ -41,11 +41,13 @@ block keys into an approximate prefix index."""
 class RoutingState:
     """One pool's prefix indexes and session bindings, by plugin name; see the module."""
 
-    __slots__ = ("_listeners", "_pieces", "seed_key")
+    __slots__ = ("_pieces", "listeners", "seed_key")
 
     def __init__(self) -> None:
         self._pieces: dict[tuple[str, str], tuple[str, object]] = {}
-        self._listeners: list[InsertListener] = []
+        self.listeners: list[InsertListener] = []
+        """Who hears of local insertions (`subscribe`); read-only outside this class (a
+        plugin skips `inserted` while it is empty)."""
         self.seed_key: bytes | None = None
         """Scale-out's shared secret (`scaleout.prefix_key_file`): approximate block keys
         chain from a seed keyed with it, so keys on the bus reveal no prompt."""
@@ -65,16 +67,16 @@ class RoutingState:
 
     def subscribe(self, listener: InsertListener) -> None:
         """Call `listener` after every local approximate-prefix insertion (scale-out)."""
-        if listener not in self._listeners:
-            self._listeners.append(listener)
+        if listener not in self.listeners:
+            self.listeners.append(listener)
 
     def unsubscribe(self, listener: InsertListener) -> None:
-        if listener in self._listeners:
-            self._listeners.remove(listener)
+        if listener in self.listeners:
+            self.listeners.remove(listener)
 
     def inserted(self, plugin: str, address: str, keys: Sequence[int], cap: int | None) -> None:
         """A routing decision inserted `keys` for `address` into `plugin`'s index."""
-        for listener in self._listeners:
+        for listener in self.listeners:
             listener(plugin, address, keys, cap)
 
 

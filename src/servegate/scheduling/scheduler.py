@@ -31,12 +31,13 @@ from dataclasses import dataclass, field
 from itertools import filterfalse
 from math import gcd
 from time import perf_counter_ns
-from typing import Any
+from typing import Any, Protocol
 
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.framework import (
     IDENTITY_ONLY,
     KEEPS_FALLBACKS,
+    RECORDS_DECISIONS,
     CycleState,
     Decision,
     Filter,
@@ -57,6 +58,7 @@ from servegate.scheduling.profiles import (
     SingleProfileHandler,
 )
 from servegate.scheduling.request import LLMRequest
+from servegate.scheduling.sticky import StickyPath
 
 PLUGIN_BUCKETS_S = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 """Upper bounds of the per-call duration buckets (llm-d's plugin-duration buckets)."""
@@ -129,7 +131,7 @@ class ScoreTable(Mapping[str, Mapping[str, float]]):
     when a row is read, exactly as they did for the totals.
     """
 
-    __slots__ = ("_endpoints", "_index", "_names", "_raw", "_row", "_weights")
+    __slots__ = ("_endpoints", "_index", "_names", "_observe", "_raw", "_row", "_weights")
 
     def __init__(
         self,
@@ -138,6 +140,7 @@ class ScoreTable(Mapping[str, Mapping[str, float]]):
         weights: list[float],
         raw: list[Sequence[float]],
         row: Row | None = None,
+        observe: Observe | None = None,
     ) -> None:
         self._endpoints = endpoints
         self._names = names
@@ -145,6 +148,8 @@ class ScoreTable(Mapping[str, Mapping[str, float]]):
         self._raw = raw
         self._row = row
         """`fused_row(weights)`, when the profile built one: `weighted_row` written out."""
+        self._observe = observe
+        """`fused_observe(weights)`, when the profile built one: `observe_row` written out."""
         self._index: dict[str, int] | None = None
 
     def _position(self, address: str) -> int:
@@ -171,6 +176,11 @@ class ScoreTable(Mapping[str, Mapping[str, float]]):
         profile: callers may key on its identity while they hold it)."""
         return self._names
 
+    @property
+    def scored(self) -> list[EndpointState]:
+        """The endpoints scored, in the table's order (read-only)."""
+        return self._endpoints
+
     def weighted_row(self, state: EndpointState) -> list[float] | None:
         """`state`'s weighted scores in `names` order, as `self[address]` gives them, without
         an address index or a dict; None when `state` was not scored."""
@@ -184,6 +194,26 @@ class ScoreTable(Mapping[str, Mapping[str, float]]):
             w if (x := column[i]) >= 1.0 else (w * x if x > 0.0 else 0.0)
             for w, column in zip(self._weights, self._raw, strict=True)
         ]
+
+    def observe_row(self, state: EndpointState, children: Sequence[Bins]) -> bool:
+        """Add `state`'s weighted scores (`weighted_row`'s values) to `children`, one
+        histogram child per scorer in `names` order: a count in the bucket whose bound is
+        the first at or above the value (`bisect_left`), and the value to the sum. False
+        (nothing added) when `state` was not scored or no scorer ran."""
+        try:
+            i = self._endpoints.index(state)  # by identity, in C
+        except ValueError:
+            return False
+        if not self._raw:
+            return False
+        if self._observe is not None:
+            self._observe(self._raw, i, children)
+            return True
+        values = self.weighted_row(state) or []
+        for child, value in zip(children, values, strict=True):
+            child.counts[bisect_left(child.bounds, value)] += 1
+            child.sum += value
+        return True
 
     def to_dict(self) -> dict[str, dict[str, float]]:
         names = self._names
@@ -301,6 +331,8 @@ class _Plan:
     """The weighted sums per endpoint with these weights, one comprehension (`fused_totals`)."""
     row: Row
     """A picked endpoint's weighted scores with these weights (`fused_row`)."""
+    observe: Observe
+    """The same, added to histogram children (`fused_observe`)."""
     picker: Picker
     picker_timing: PluginTiming
     shortlisters: tuple[Shortlister, ...]
@@ -339,12 +371,15 @@ Totals = Callable[[Sequence[Sequence[float]]], list[float]]
 Row = Callable[[Sequence[Sequence[float]], int], list[float]]
 
 
-def _with_weights(name: str, weights: Sequence[float], body: str) -> Any:
+def _with_weights(
+    name: str, weights: Sequence[float], body: str, names: Mapping[str, Any] | None = None
+) -> Any:
     """Function `name` compiled from `body`, with the weights as closure variables
-    `w0, w1, …` (the source text names only generated identifiers, never a value)."""
+    `w0, w1, …` (the source text names only generated identifiers, never a value) and
+    `names` as its globals."""
     ws = ", ".join(f"w{i}" for i in range(len(weights)))
     source = f"def make({ws}):\n{body}    return {name}\n"
-    namespace: dict[str, Any] = {}
+    namespace: dict[str, Any] = dict(names or {})
     exec(compile(source, f"<{name} {len(weights)}>", "exec"), namespace)
     return namespace["make"](*weights)
 
@@ -391,6 +426,40 @@ def fused_row(weights: Sequence[float]) -> Row:
     return made
 
 
+class Bins(Protocol):
+    """A histogram child `ScoreTable.observe_row` adds to (the gateway's `Buckets`)."""
+
+    bounds: tuple[float, ...]
+    counts: list[int]
+    sum: float
+
+
+Observe = Callable[[Sequence[Sequence[float]], int, Sequence[Bins]], None]
+
+
+def fused_observe(weights: Sequence[float]) -> Observe:
+    """`ScoreTable.observe_row`'s loop for position `i`, written out per scorer: the value
+    `fused_row` gives (the same expression), its bucket by `bisect_left`, the sum; no
+    list of values and no loop (`children` and `raws` must hold one item per weight, else
+    ValueError)."""
+    k = len(weights)
+    if k == 0:
+        return lambda raws, i, children: None
+    rs = ", ".join(f"r{j}" for j in range(k))
+    cs = ", ".join(f"c{j}" for j in range(k))
+    lines = [
+        f"    def observe(raws, i, children):\n        ({rs},) = raws\n        ({cs},) = children\n"
+    ]
+    for j in range(k):
+        lines.append(
+            f"        v = {_clamped(j, f'(x{j} := r{j}[i])')}\n"
+            f"        c{j}.counts[bisect_left(c{j}.bounds, v)] += 1\n"
+            f"        c{j}.sum += v\n"
+        )
+    made: Observe = _with_weights("observe", weights, "".join(lines), {"bisect_left": bisect_left})
+    return made
+
+
 def _wrong_length(plan: _Plan, raws: list[Sequence[float]], n: int) -> ValueError:
     """The error for the first scorer that did not return one score per endpoint."""
     scorer, raw = next((s, r) for s, r in zip(plan.scorers, raws, strict=True) if len(r) != n)
@@ -405,12 +474,14 @@ class Scheduler:
         "_filter_memo",
         "_hooks_complete",
         "_hooks_pre",
+        "_hooks_recording",
         "_index",
         "_index_of",
         "_phase",
         "_plans",
         "_pre_calls",
         "_single",
+        "_sticky",
         "_timings",
         "exhaustive_limit",
         "handler",
@@ -481,11 +552,17 @@ class Scheduler:
             HeaderProfileHandler,
         ):
             self._single = next(iter(self.profiles.items()))
+        self._sticky = None if self._single is None else StickyPath.of(self._single[1])
+        """The default profile's shape in one call (`sticky.py`), for small pools on untimed
+        cycles of the single profile; None when the profile has another shape."""
         hooks_pre = [p for p in self.plugins.values() if isinstance(p, PreRequest)]
         # plugins that read what the indexes held before this decision go first
         self._hooks_pre = sorted(
             hooks_pre, key=lambda p: not getattr(p, "reads_before_records", False)
         )
+        self._hooks_recording = [p for p in self._hooks_pre if getattr(p, RECORDS_DECISIONS, True)]
+        """The `PreRequest` plugins untimed calls run: those that may record something
+        (a timed call runs them all, so every hook's duration series keeps its samples)."""
         self._hooks_complete = [p for p in self.plugins.values() if isinstance(p, ResponseComplete)]
         for hook in self._hooks_pre:
             self.stats.hooks.setdefault((PRE_REQUEST, hook.name), PluginTiming(hook.type))
@@ -512,14 +589,18 @@ class Scheduler:
                 # what the handler would do, without asking it: run the one profile, and
                 # its ranking is the decision (`only_result`)
                 name, profile = single
-                result = self._run_profile(profile, cycle, request, candidates, 0)
+                sticky = self._sticky
+                n = len(candidates)
+                if sticky is not None and n <= FUSED_LIMIT and n <= self.exhaustive_limit:
+                    endpoints, spare, raws = sticky.scores(cycle, request, candidates)
+                    result = self._ranked(self._plans[name], cycle, request, endpoints, raws, spare)
+                else:
+                    result = self._run_profile(profile, cycle, request, candidates, 0)
                 if result is None:
                     stats.no_candidates += 1
                     raise NoCandidates(f"no endpoint survived the scheduling profiles ({name})")
                 ranked = result.ranked
-                return Decision(
-                    endpoint=ranked[0], fallbacks=ranked[1:], profile=name, results={name: result}
-                )
+                return Decision(ranked[0], ranked[1:], None, name, {name: result})
             every = 0
         return self._schedule(request, candidates, cycle, every)
 
@@ -583,6 +664,7 @@ class Scheduler:
             weights=[ws.weight for ws in profile.scorers],
             fused=fused_totals([ws.weight for ws in profile.scorers]),
             row=fused_row([ws.weight for ws in profile.scorers]),
+            observe=fused_observe([ws.weight for ws in profile.scorers]),
             picker=profile.picker,
             picker_timing=timings[(PICKER, profile.picker.name)],
             shortlisters=tuple(
@@ -642,7 +724,6 @@ class Scheduler:
             endpoints = self._shortlist(plan, cycle, request, endpoints)
         elif endpoints is candidates or endpoints is remembered:
             endpoints = list(endpoints)  # lists others hold are never handed to plugins
-        n = len(endpoints)
         if weight:
             raws: list[Sequence[float]] = []
             for scoring in plan.scorers:
@@ -653,6 +734,22 @@ class Scheduler:
                 t0 = t1
         else:
             raws = [score(cycle, request, endpoints) for score in plan.score_calls]
+        return self._ranked(plan, cycle, request, endpoints, raws, spare, weight)
+
+    def _ranked(
+        self,
+        plan: _Plan,
+        cycle: CycleState,
+        request: LLMRequest,
+        endpoints: list[EndpointState],
+        raws: list[Sequence[float]],
+        spare: list[EndpointState],
+        weight: int = 0,
+    ) -> ProfileResult | None:
+        """The weighted sums of the scorers' `raws` for `endpoints`, the picker's ranking,
+        and `spare` (what a preference filter removed) after it; the picker is timed when
+        `weight` is not 0."""
+        n = len(endpoints)
         if not raws:
             totals = [0.0] * n
         elif n <= FUSED_LIMIT:
@@ -678,10 +775,10 @@ class Scheduler:
             return None
         if spare:
             ranked = [*ranked, *spare]
-        return ProfileResult(
-            ranked=ranked,
-            scores=ScoreTable(endpoints, plan.names, plan.weights, raws, plan.row),
-            totals=TotalsView(endpoints, totals),
+        return ProfileResult(  # (positional: cheaper than keywords)
+            ranked,
+            ScoreTable(endpoints, plan.names, plan.weights, raws, plan.row, plan.observe),
+            TotalsView(endpoints, totals),
         )
 
     def _shortlist(
@@ -728,7 +825,7 @@ class Scheduler:
         self._pre_calls += 1
         every = self.timing_every
         if self._pre_calls % every != self._phase:
-            for plugin in self._hooks_pre:
+            for plugin in self._hooks_recording:
                 plugin.pre_request(request, decision, now)
             return
         hooks = self.stats.hooks

@@ -153,7 +153,7 @@ class ActiveRequestScorer:
         self, cycle: CycleState, request: LLMRequest, endpoints: list[EndpointState]
     ) -> list[float]:
         counts = [s.in_flight_requests for s in endpoints]
-        most = max(counts, default=0)
+        most = max(counts) if counts else 0
         idle = self.idle_threshold
         if most <= idle:
             return [1.0] * len(counts)

@@ -229,6 +229,8 @@ class ApproxPrefixIndex:
             alone = self._alone.get(address)
             if alone is None:
                 alone = self._alone[address] = frozenset((address,))
+            evict = held.popitem
+            room = limit - len(held)  # `limit - len(held)` throughout, without a call per key
             for key in keys:
                 if key in held:
                     refresh(key)  # held already, so `where` names this address for it
@@ -241,10 +243,12 @@ class ApproxPrefixIndex:
                         holders.add(address)
                     else:
                         where[key] = {*holders, address}
-                if len(held) > limit:
+                room -= 1
+                if room < 0:
                     # one look-up for the usual key held alone (by this address); a shared
                     # key's set goes back without this address
-                    evicted = held.popitem(last=False)[0]
+                    room += 1
+                    evicted = evict(last=False)[0]
                     gone = pop(evicted, None)
                     if type(gone) is set:
                         gone.discard(address)
@@ -496,6 +500,10 @@ class PrefixCacheScorer:
         known = already_scored(cycle, self.name, endpoints)
         if known is not None:
             return known
+        return self.match(request, endpoints)
+
+    def match(self, request: LLMRequest, endpoints: list[EndpointState]) -> list[float]:
+        """`score` from this scorer's own index, computed anew (no producer, no sharing)."""
         keys = self.block_keys(request)
         if not keys:
             return [0.0] * len(endpoints)
@@ -541,8 +549,11 @@ class PrefixCacheScorer:
         keys = self.block_keys(request)
         if not keys:
             return
+        routing = self.routing
         for state in (decision.endpoint, decision.prefill):
             if state is not None:
                 capacity = self.capacity_for(state)
-                self.index.insert(state.address, keys, capacity, chained=True)
-                self.routing.inserted(self.name, state.address, keys, capacity)
+                address = state.endpoint.address
+                self.index.insert(address, keys, capacity, chained=True)
+                if routing.listeners:  # (scale-out shares insertions)
+                    routing.inserted(self.name, address, keys, capacity)

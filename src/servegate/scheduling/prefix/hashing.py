@@ -85,7 +85,10 @@ class RecentChains:
         if held is not None:
             before, known = held
             m = min(n, len(known))
-            common = m if data[: m * b] == before[: m * b] else _common_blocks(data, before, b, m)
+            if data == before:  # sent again, compared in place: every block hashed before
+                return known
+            cut = m * b
+            common = m if data[:cut] == before[:cut] else _common_blocks(data, before, b, m)
         if common:
             keys = known[:common]
             if common == n:

@@ -169,6 +169,15 @@ def already_scored(
     return shared.lookup(endpoints)
 
 
+def keep_match(
+    cycle: CycleState, name: str, endpoints: list[EndpointState], scores: Sequence[float]
+) -> None:
+    """Leave scorer `name`'s `scores` of `endpoints` for this cycle's later readers, as
+    `prefix_scores` does when it computes them (the latency layer's dispatch reads the
+    picked endpoint's after the decision)."""
+    cycle.data[_match_key(name)] = CycleMatch(endpoints, scores)
+
+
 def prefix_scores(
     cycle: CycleState, scorer: Scorer, request: LLMRequest, endpoints: list[EndpointState]
 ) -> Sequence[float]:

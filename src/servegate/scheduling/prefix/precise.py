@@ -709,6 +709,11 @@ class PrecisePrefixCacheScorer:
                 out.update(dict.fromkeys(self.index.deepest_holders(keys, limit)))
         return list(out)
 
+    @property
+    def records_decisions(self) -> bool:
+        """Only with speculative indexing (`RECORDS_DECISIONS`)."""
+        return self.params.speculative_indexing
+
     def pre_request(self, request: LLMRequest, decision: Decision, now: float) -> None:
         if not self.params.speculative_indexing:
             return
