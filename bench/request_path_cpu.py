@@ -26,7 +26,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -120,15 +120,17 @@ async def measure(requests: int, repeats: int, stream: bool) -> tuple[float, flo
     return runs[0], runs[len(runs) // 2]
 
 
-def run_here(args: argparse.Namespace) -> None:
-    factory = asyncio.new_event_loop
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    """uvloop's loop, as the gateway runs on, when it is installed."""
     try:
         import uvloop
-
-        factory = uvloop.new_event_loop
     except ImportError:
-        pass
-    with asyncio.Runner(loop_factory=factory) as runner:
+        return asyncio.new_event_loop
+    return uvloop.new_event_loop
+
+
+def run_here(args: argparse.Namespace) -> None:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         best, median = runner.run(measure(args.requests, args.repeats, args.stream))
     print(f"{best:.1f} {median:.1f}")
 

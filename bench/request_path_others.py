@@ -198,14 +198,7 @@ def main() -> None:
     args = parser.parse_args()
     cost, inside = timer_cost()
     wrap_others()
-    factory = asyncio.new_event_loop
-    try:
-        import uvloop
-
-        factory = uvloop.new_event_loop
-    except ImportError:
-        pass
-    with asyncio.Runner(loop_factory=factory) as runner:
+    with asyncio.Runner(loop_factory=request_path_cpu.loop_factory()) as runner:
         total, others, calls = runner.run(measure(args.requests, args.repeats, args.stream))
         loop = runner.run(harness(args.requests, args.repeats, args.stream))
     slice_us = total - calls * cost * 1e6 - (others - calls * inside * 1e6) - loop

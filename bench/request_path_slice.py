@@ -50,14 +50,7 @@ def main() -> None:
         await request_path_cpu.measure(args.requests, 1, args.stream)
         profile.disable()
 
-    factory = asyncio.new_event_loop
-    try:
-        import uvloop
-
-        factory = uvloop.new_event_loop
-    except ImportError:
-        pass
-    with asyncio.Runner(loop_factory=factory) as runner:
+    with asyncio.Runner(loop_factory=request_path_cpu.loop_factory()) as runner:
         runner.run(run())
     requests = args.requests + 2000  # measure's warm-up runs under the profile too
     rows = []
