@@ -548,6 +548,25 @@ def test_to_dict_matches_row_reads() -> None:
     assert unscored.scores == {address: {} for address in addresses(3)}
 
 
+WEIGHTS = st.lists(st.floats(min_value=0.0, max_value=10.0), min_size=7, max_size=7)
+THREE_ENDPOINT_COLUMNS = st.lists(
+    st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=3, max_size=3),
+    min_size=0,
+    max_size=7,
+)
+
+
+def plain_table(
+    columns: list[list[float]], weights: list[float]
+) -> tuple[list[EndpointState], list[str], list[float], ScoreTable]:
+    """Three endpoints scored by `columns` with the first weights: the table without any
+    generated function, to hold a generated one against."""
+    used = weights[: len(columns)]
+    eps = pool(3)
+    names = [f"s{i}" for i in range(len(columns))]
+    return eps, names, used, ScoreTable(eps, names, used, list(columns))
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     columns=st.lists(
@@ -558,7 +577,7 @@ def test_to_dict_matches_row_reads() -> None:
         min_size=0,
         max_size=7,
     ),
-    weights=st.lists(st.floats(min_value=0.0, max_value=10.0), min_size=7, max_size=7),
+    weights=WEIGHTS,
 )
 def test_small_pool_sums_equal_the_column_by_column_sums(
     columns: list[list[float]], weights: list[float]
@@ -577,22 +596,15 @@ def test_small_pool_sums_equal_the_column_by_column_sums(
 
 @settings(max_examples=200, deadline=None)
 @given(
-    columns=st.lists(
-        st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=3, max_size=3),
-        min_size=0,
-        max_size=7,
-    ),
-    weights=st.lists(st.floats(min_value=0.0, max_value=10.0), min_size=7, max_size=7),
+    columns=THREE_ENDPOINT_COLUMNS,
+    weights=WEIGHTS,
 )
 def test_a_generated_row_equals_the_weighted_row(
     columns: list[list[float]], weights: list[float]
 ) -> None:
     """`fused_row` writes out `ScoreTable.weighted_row`'s expression per scorer: the same
     floats for every position (NaN scores 0, anything ≥ 1 the weight)."""
-    used = weights[: len(columns)]
-    eps = pool(3)
-    names = [f"s{i}" for i in range(len(columns))]
-    plain = ScoreTable(eps, names, used, list(columns))
+    eps, names, used, plain = plain_table(columns, weights)
     written = ScoreTable(eps, names, used, list(columns), fused_row(used))
     for s in eps:
         assert written.weighted_row(s) == plain.weighted_row(s)
@@ -601,22 +613,15 @@ def test_a_generated_row_equals_the_weighted_row(
 
 @settings(max_examples=200, deadline=None)
 @given(
-    columns=st.lists(
-        st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=3, max_size=3),
-        min_size=0,
-        max_size=7,
-    ),
-    weights=st.lists(st.floats(min_value=0.0, max_value=10.0), min_size=7, max_size=7),
+    columns=THREE_ENDPOINT_COLUMNS,
+    weights=WEIGHTS,
 )
 def test_a_generated_observer_adds_what_the_loop_over_the_row_adds(
     columns: list[list[float]], weights: list[float]
 ) -> None:
     """`fused_observe` writes out `observe_row`'s loop: each child gets the same count in
     the same bucket and the same sum as observing `weighted_row`'s values one by one."""
-    used = weights[: len(columns)]
-    eps = pool(3)
-    names = [f"s{i}" for i in range(len(columns))]
-    plain = ScoreTable(eps, names, used, list(columns))
+    eps, names, used, plain = plain_table(columns, weights)
     written = ScoreTable(eps, names, used, list(columns), None, fused_observe(used))
     bounds = (0.0, 0.25, 0.5, 1.0, 2.0, 3.0)
     for s in eps:

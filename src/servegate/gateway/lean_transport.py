@@ -92,7 +92,6 @@ class LeanResponse:
         "_deadlines",
         "_error",
         "_head",
-        "_swept",
         "_then",
         "_timer",
         "_waiter",
@@ -117,9 +116,8 @@ class LeanResponse:
         self._conn: _Connection | None = None
         self._deadlines = deadlines
         self._timer: asyncio.TimerHandle | None = None
-        self._swept = False
-        """Whether the armed deadline waits in `_deadlines`' sweep rather than in `_timer`."""
         self._when: float | None = None
+        """The armed deadline (loop time); with no `_timer` it waits in `_deadlines`' sweep."""
         self._then: float | None = None
         """When the armed deadline is the first-byte one: the total one to arm if the head
         came in time (`inf`: none). One deadline per exchange, not one more per timeout."""
@@ -182,13 +180,11 @@ class LeanResponse:
             self._timer = self._head.get_loop().call_at(when, self._expire)
             return
         self._timer = deadlines.arm(self, when, self._expire)
-        self._swept = self._timer is None
 
     def _expire(self) -> None:
         """A deadline passed: `head_s` before the head, or `total_s`. The exchange fails and
         its connection goes; a first-byte deadline after the head only arms the total one."""
         self._timer = None
-        self._swept = False
         self._when = None
         then, self._then = self._then, None
         if then is not None:
@@ -207,11 +203,9 @@ class LeanResponse:
         timer, self._timer = self._timer, None
         if timer is not None:
             timer.cancel()
-        elif self._swept:
-            self._swept = False
-            deadlines = self._deadlines
-            if deadlines is not None:
-                deadlines.disarm(self)
+        elif self._when is not None and self._deadlines is not None:
+            self._deadlines.disarm(self)
+        self._when = None
 
     # -- UpstreamBody -------------------------------------------------------------------
 
