@@ -17,7 +17,29 @@ $(STAMP): pyproject.toml | $(PY)
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-install: $(STAMP)
+# The request path compiled with mypyc (setup.py, native.txt; docs/dataplane.md): rebuilt
+# when a listed source changes. SERVEGATE_PURE=1 skips it and drops a build already there.
+NATIVE_SRC := $(addprefix src/,$(shell grep -v '^\#' native.txt))
+NATIVE     := $(VENV)/.native-$(shell cat native.txt setup.py | cksum | cut -d' ' -f1)
+
+$(NATIVE): $(STAMP) $(NATIVE_SRC) native.txt setup.py
+	find src -name '*.so' -delete
+	$(PY) -m pip install --quiet 'setuptools>=77'
+	$(PY) setup.py --quiet build_ext --inplace >$(VENV)/native-build.log 2>&1 || { tail -40 $(VENV)/native-build.log; exit 1; }
+	find src -name '*.so' -exec touch {} +  # copied with build/'s times; the build is now
+	rm -f $(VENV)/.native-*
+	touch $@
+
+.PHONY: pure
+pure:
+	find src -name '*.so' -delete
+	rm -f $(VENV)/.native-*
+
+ifeq ($(SERVEGATE_PURE),1)
+install: $(STAMP) pure
+else
+install: $(STAMP) $(NATIVE)
+endif
 
 demo: install
 	$(VENV)/bin/servegate demo $(DEMO_ARGS)
@@ -102,7 +124,8 @@ bench: install
 	$(PY) bench/standard_comparison.py --docs docs/benchmarks.md $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache src/*.egg-info
+	rm -rf $(VENV) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache src/*.egg-info build
+	find src -name '*.so' -delete
 
 # Real-engine tier (issue 4): real vLLM on CPU in its own venv; see docs/engine-tests.md.
 ENGINE_VENV ?= .venv-engine

@@ -9,6 +9,8 @@ the inference routes as the default of `gateway.http_server` (configs that name 
 theirs; gateways started as subprocesses read their own config files and are not affected).
 """
 
+from pathlib import Path
+
 import pytest
 from hypothesis import settings
 
@@ -31,7 +33,33 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def stale_native_modules(root: Path = ROOT) -> list[str]:
+    """The sources in native.txt edited after `make install` compiled them: Python would
+    import the old extension module beside each, and the suite would test old code."""
+    listing = (root / "native.txt").read_text().splitlines()
+    stale = []
+    for line in listing:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        source = root / "src" / line
+        for built in source.parent.glob(f"{source.stem}.cpython-*.so"):
+            if source.stat().st_mtime > built.stat().st_mtime:
+                stale.append(line)
+    return stale
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    stale = stale_native_modules()
+    if stale:
+        pytest.exit(
+            f"compiled modules older than their sources: {', '.join(stale)}; "
+            "run `make install` to rebuild them (or `make pure` to run the plain Python)",
+            returncode=4,
+        )
     defaults = {
         "upstream_client": config.getoption("--upstream-client"),
         "http_server": config.getoption("--http-server"),

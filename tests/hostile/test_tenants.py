@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from servegate.config import ConfigError, parse_config
 from servegate.gateway.tenants import Bucket, Tenant, TenantTable
@@ -48,19 +49,9 @@ async def test_a_tenant_key_fixes_fairness_and_caps_priority(
 ) -> None:
     monkeypatch.setenv("TEAM_B_KEY", "sk-team-b")
     replica = await Replica().start()
-    seen: list[tuple[str, int]] = []
     try:
         async with GatewayRunner(tenants_config(replica, key_file)) as gw:
             await ready(gw, 1)
-            admission = gw.gateway.admission
-            original = admission.admit_now  # what the Director calls; it queues only if False
-
-            def spy(llm: Any, size: int, priority: int) -> bool:
-                admitted = original(llm, size, priority)
-                seen.append((llm.fairness_id, llm.priority))
-                return admitted
-
-            monkeypatch.setattr(admission, "admit_now", spy)
             for key in ("sk-team-a-2", "sk-team-b", "plain-key"):
                 async with http.post(
                     gw.url + "/v1/chat/completions",
@@ -74,7 +65,15 @@ async def test_a_tenant_key_fixes_fairness_and_caps_priority(
                 assert resp.status == 401
             lines = gw.access_lines()
             log = gw.access_stream.getvalue()
-        assert seen == [("team-a", 0), ("team-b", 100), ("someone-else", 100)]
+            # the flow each request was admitted under, as flow control's own series show it
+            seen = {
+                (sample.labels["fairness_id"], int(sample.labels["priority"]))
+                for family in text_string_to_metric_families(gw.gateway.metrics.render().decode())
+                if family.name == "llm_d_epp_flow_control_request_queue_duration_seconds"
+                for sample in family.samples
+                if sample.name.endswith("_count") and sample.value > 0
+            }
+        assert seen == {("team-a", 0), ("team-b", 100), ("someone-else", 100)}
         assert [line.get("tenant") for line in lines] == ["team-a", "team-b", None, None]
         for secret in (b"sk-team-a", b"sk-team-b", b"plain-key"):
             assert secret not in log

@@ -10,6 +10,9 @@ import pytest
 
 from servegate.gateway.errors import Unauthorized
 from servegate.gateway.ui import DecisionLog, check_ui_key
+from servegate.pool.endpoint import Endpoint, EndpointState
+from servegate.scheduling.framework import Decision
+from servegate.scheduling.request import LLMRequest, RequestKind
 from servegate.testing.cluster import SimCluster
 from servegate.testing.gateway import GatewayRunner
 from tests.integration.conftest import FAST_SIM, MODEL, gateway_config, wait_for, wait_ready
@@ -133,7 +136,7 @@ def test_decision_log_is_bounded() -> None:
     log = DecisionLog(size=4)
     assert log.latest(10, 0.0) == []
     for i in range(10):
-        log.record("default", _Request(f"m{i}"), _decision(), float(i))  # type: ignore[arg-type]
+        log.record("default", _request(f"m{i}"), _decision(), float(i))
     assert len(log) == 4 and log.recorded == 10
     latest = log.latest(3, 10.0)
     assert [d["model"] for d in latest] == ["m9", "m8", "m7"]
@@ -141,16 +144,18 @@ def test_decision_log_is_bounded() -> None:
     assert latest[0]["age_s"] == 1.0
 
 
-class _Request:
-    def __init__(self, model: str) -> None:
-        self.model = self.target_model = model
-        self.prompt_tokens = 5
+def _request(model: str) -> LLMRequest:
+    return LLMRequest(
+        request_id="r",
+        kind=RequestKind.CHAT,
+        model=model,
+        target_model=model,
+        base_model=model,
+        prompt_tokens=5,
+    )
 
 
-def _decision() -> object:
-    from servegate.pool.endpoint import Endpoint, EndpointState
-    from servegate.scheduling.framework import Decision
-
+def _decision() -> Decision:
     return Decision(
         endpoint=EndpointState(Endpoint("10.0.0.1:8000", "http://10.0.0.1:8000")), fallbacks=[]
     )

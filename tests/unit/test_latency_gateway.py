@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 from servegate.gateway.access_log import AccessRecord
 from servegate.gateway.latency import LatencyRouting
 from servegate.pool.endpoint import Endpoint, EndpointMetrics, EndpointState
+from servegate.pool.pool import Pool
 from servegate.scheduling.framework import CycleState, Decision
 from servegate.scheduling.latency.predictor import LatencyPredictor
 from servegate.scheduling.request import LLMRequest, RequestKind
@@ -91,7 +92,7 @@ def test_a_ttft_is_learned_before_the_next_decision_once_its_first_byte_is_relay
     assert model.ttft_error.observations == 0
     record.endpoint, record.status, record.stream = "a:1", 200, True
     record.ttft_ms = 250.0  # the first byte, 200 ms after dispatch; the stream goes on
-    asyncio.run(routing.admit(req, 10.5, [decision.endpoint], None, random.Random(0)))  # type: ignore[arg-type]
+    asyncio.run(routing.admit(req, 10.5, [decision.endpoint], Pool(), random.Random(0)))
     assert model.ttft_error.observations == 1
     assert model.ttft_error.mape == pytest.approx(abs(ticket.prediction.ttft_ms - 200.0) / 200.0)
     assert not routing.awaiting_first_token
@@ -129,7 +130,7 @@ def streams(routing: LatencyRouting, rate: float, n: int) -> list[float]:
         for record, _, sent in open_:
             if sent + 0.1 <= t and record.ttft_ms is None:
                 record.ttft_ms = 100.0 + 10.0 * (i % 7)
-        asyncio.run(routing.admit(req, t, [decision.endpoint], None, random.Random(0)))  # type: ignore[arg-type]
+        asyncio.run(routing.admit(req, t, [decision.endpoint], Pool(), random.Random(0)))
         record = AccessRecord(request_id=str(i), method="POST", path="/v1/chat/completions")
         ticket = routing.dispatch(req, decision, record, CycleState(t, random.Random(0)), t)
         predicted.append(ticket.prediction.ttft_ms)
@@ -203,30 +204,24 @@ def test_streams_are_sampled_at_dispatch_and_counted_as_sampled_out_at_their_end
     assert model.sampled_out == 1
 
 
-def test_a_sampled_out_stream_is_not_tracked_nor_learned_and_a_sampled_one_is(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_sampled_out_stream_is_not_tracked_nor_learned_and_a_sampled_one_is() -> None:
     routing, req, decision = setup()
     routing.predictor.learn_per_s = 1.0  # a bucket of one
-    learned: list[float] = []
-    ended: list[tuple[float | None, float | None]] = []
-    predictor = routing.predictor
-    monkeypatch.setattr(predictor, "learn_ttft", lambda a, p, t, u=None: learned.append(t))
-    monkeypatch.setattr(
-        predictor, "completed", lambda a, k, p, t, tp, u=None: ended.append((t, tp))
-    )
     (first, a), (second, b) = dispatch(routing, req, decision), dispatch(routing, req, decision)
+    model = routing.predictor.endpoints["a:1"]
+    assert list(model.pending) == [a.key, b.key]  # both count in the backlog until they end
     for record in (first, second):
         record.endpoint, record.status, record.stream = "a:1", 200, True
         record.ttft_ms = 250.0
     routing.learn_first_tokens(10.5)
-    assert learned == [pytest.approx(200.0)]  # the sampled stream's TTFT, from dispatch (50 ms) on
+    assert model.ttft_error.observations == 1  # the sampled stream's TTFT, not the other's
     for record, ticket in ((first, a), (second, b)):
         record.completion_tokens = 11
         ticket.done(record, now=11.25)
-    assert ended == [(None, pytest.approx(100.0))]  # only the sampled stream reaches the learning
-    # the sampled-out one released its backlog without it (`completed`, stubbed, would the other's)
-    assert list(predictor.endpoints["a:1"].pending) == [a.key]
+    # only the sampled stream reaches the learning; the other released its backlog without it
+    assert (model.ttft_error.observations, model.tpot_error.observations) == (1, 1)
+    assert model.sampled_out == 1
+    assert list(model.pending) == []
     assert second.predicted_ttft_ms is not None  # every request's prediction is logged
 
 

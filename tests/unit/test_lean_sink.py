@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, cast
 
-from servegate.gateway.lean_server import LeanProtocol, LeanSink
+from servegate.gateway.lean_server import LeanSink, SinkConnection
 
 
 class Transport:
@@ -49,7 +49,7 @@ class Conn:
 
 
 def sink_on(conn: Conn) -> LeanSink:
-    return LeanSink(cast(LeanProtocol, conn))
+    return LeanSink(cast(SinkConnection, conn))
 
 
 async def test_a_stream_whose_first_event_follows_at_once_is_one_write() -> None:

@@ -116,6 +116,17 @@ class Dropped(GatewayError):
         return {DROPPED_REASON_HEADER: self.reason}
 
 
+class SloUnattainable(Dropped):
+    """The latency-slo-admitter's: a sheddable request no endpoint is predicted to serve
+    within its SLO. (Here, not in gateway/latency.py: mypyc compiles that module, and a
+    compiled subclass loses the class attributes it overrides.)"""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rejected-slo"
+    reason = "rejected-slo"
+
+
 class Saturated(Dropped):
     status = 429
     type = "rate_limit_error"

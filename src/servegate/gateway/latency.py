@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from servegate.control.errors import Dropped
+from servegate.control.errors import SloUnattainable
 from servegate.gateway.access_log import AccessRecord
 from servegate.pool.endpoint import EndpointState
 from servegate.pool.pool import Pool
@@ -56,13 +56,6 @@ QUEUE_POLL_S = 0.02
 """How often a request held by the admitter looks again."""
 DEBUG_HEADER = "x-servegate-latency"
 _NO_PREDICTIONS: Mapping[str, tuple[float, float]] = MappingProxyType({})
-
-
-class SloUnattainable(Dropped):
-    status = 429
-    type = "rate_limit_error"
-    code = "rejected-slo"
-    reason = "rejected-slo"
 
 
 class Ticket:

@@ -622,7 +622,9 @@ class GatewayMetrics:
         if result is None:
             return
         scores = result.scores
-        if isinstance(scores, ScoreTable):  # the scheduler's: its row and children, by list
+        # the scheduler's: its row and children, by list (`type`, not `isinstance`: compiled by
+        # mypyc, ScoreTable shares Mapping's ABC registry, which holds dict)
+        if type(scores) is ScoreTable:
             names = scores.names
             key = (pool, id(names))
             held = self._score_rows.get(key)

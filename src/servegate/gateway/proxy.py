@@ -406,52 +406,63 @@ class Proxy:
                     kind = "timeout" if isinstance(exc, UpstreamTimeout) else "connect"
                     self._metrics.retries.labels(kind).inc()
                 continue
-            complete = False
             try:
-                if refused_status(upstream.status):
-                    # Never followed (the prompt would be re-POSTed wherever the replica
-                    # points) nor relayed (its Location names addresses behind the gateway).
-                    self._failed(state, "redirect")
-                    last_error = UpstreamFailed(
-                        f"endpoint {state.address} answered {upstream.status}; the gateway "
-                        "follows no redirects or protocol switches"
-                    )
-                    continue
-                if upstream.status >= 500:
-                    self._failed(state, str(upstream.status))
-                elif self.outlier is not None:
-                    self.outlier.success(state)
-                if upstream.status in RETRY_STATUSES and not is_last:
-                    self._metrics.retries.labels(str(upstream.status)).inc()
-                    last_error = UpstreamFailed(
-                        f"endpoint {state.address} answered {upstream.status}"
-                    )
-                    continue
-                first = b""
-                if triton is None and _opens_a_stream(upstream):
-                    try:
-                        first = await self._first_content(upstream, state)
-                    except GatewayError as exc:
-                        last_error = exc
-                        if not is_last:
-                            self._metrics.retries.labels("before_content").inc()
-                        continue
-                if triton is not None:
-                    await self._relay_triton(
-                        sink, upstream, state, record, started, extra_response_headers, triton
-                    )
-                else:
-                    await self._relay(
-                        sink, upstream, state, record, started, extra_response_headers, first
-                    )
-                complete = True
+                failure = await self._answer(
+                    sink, upstream, state, record, started, extra_response_headers, triton, is_last
+                )
+            except BaseException:
+                upstream.close()
+                raise
+            if failure is None:
+                upstream.release()
                 return
-            finally:
-                if complete:
-                    upstream.release()
-                else:
-                    upstream.close()
+            upstream.close()
+            last_error = failure
         raise last_error or UpstreamFailed("no endpoint could be tried")
+
+    async def _answer(
+        self,
+        sink: ClientSink,
+        upstream: UpstreamResponse,
+        state: EndpointState,
+        record: AccessRecord,
+        started: float,
+        extra_response_headers: Mapping[str, str],
+        triton: TritonRequest | None,
+        is_last: bool,
+    ) -> GatewayError | None:
+        """Relay `upstream` to `sink`, or say why the next target should be tried (a
+        try/finally around a loop's `continue` is what mypyc cannot compile)."""
+        if refused_status(upstream.status):
+            # Never followed (the prompt would be re-POSTed wherever the replica
+            # points) nor relayed (its Location names addresses behind the gateway).
+            self._failed(state, "redirect")
+            return UpstreamFailed(
+                f"endpoint {state.address} answered {upstream.status}; the gateway "
+                "follows no redirects or protocol switches"
+            )
+        if upstream.status >= 500:
+            self._failed(state, str(upstream.status))
+        elif self.outlier is not None:
+            self.outlier.success(state)
+        if upstream.status in RETRY_STATUSES and not is_last:
+            self._metrics.retries.labels(str(upstream.status)).inc()
+            return UpstreamFailed(f"endpoint {state.address} answered {upstream.status}")
+        first = b""
+        if triton is None and _opens_a_stream(upstream):
+            try:
+                first = await self._first_content(upstream, state)
+            except GatewayError as exc:
+                if not is_last:
+                    self._metrics.retries.labels("before_content").inc()
+                return exc
+        if triton is not None:
+            await self._relay_triton(
+                sink, upstream, state, record, started, extra_response_headers, triton
+            )
+        else:
+            await self._relay(sink, upstream, state, record, started, extra_response_headers, first)
+        return None
 
     async def _relay(
         self,

@@ -124,6 +124,8 @@ def clamp(x: float) -> float:
     return 1.0 if x >= 1.0 else (x if x > 0.0 else 0.0)
 
 
+# Tested with `type(x) is`, never `isinstance`: compiled by mypyc (native.txt), this class
+# and TotalsView share Mapping's ABC registry, which holds dict.
 class ScoreTable(Mapping[str, Mapping[str, float]]):
     """`table[address][scorer name]` → weighted score, built row by row on demand.
 
@@ -266,10 +268,10 @@ def result_as_dict(result: ProfileResult) -> dict[str, Any]:
     scores, totals = result.scores, result.totals
     return {
         "ranked": [s.endpoint.address for s in result.ranked],
-        "totals": totals.to_dict() if isinstance(totals, TotalsView) else dict(totals),
+        "totals": totals.to_dict() if type(totals) is TotalsView else dict(totals),
         "scores": (
             scores.to_dict()
-            if isinstance(scores, ScoreTable)
+            if type(scores) is ScoreTable
             else {a: dict(row) for a, row in scores.items()}
         ),
     }

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
+from mypy_extensions import mypyc_attr
+
 from servegate.pool.endpoint import EndpointState
 from servegate.scheduling.framework import CycleState, Decision, Plugin, Scorer
 from servegate.scheduling.request import LLMRequest
@@ -24,6 +26,8 @@ PREFIX_PRODUCER_TYPES = ("approx-prefix-cache-producer", "precise-prefix-cache-p
 PRODUCER_KIND = "producer"
 
 
+# The producers (scheduling/producers.py, plain Python) subclass it.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class PrefixProducer:
     """Base of the prefix producers: an inner scorer computes the match, consumers read it.
 
