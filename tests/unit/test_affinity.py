@@ -9,8 +9,9 @@ from typing import Any, ClassVar
 import pytest
 
 from servegate.pool.endpoint import Endpoint, EndpointState
-from servegate.scheduling import affinity
-from servegate.scheduling.affinity import NoHitLRUScorer, PrefixCacheAffinityFilter
+from servegate.scheduling import affinity_filter as filter_module
+from servegate.scheduling.affinity import NoHitLRUScorer
+from servegate.scheduling.affinity_filter import SPLIT_LOOP_LIMIT, PrefixCacheAffinityFilter
 from servegate.scheduling.config import PickerConfigError, load_picker_config
 from servegate.scheduling.factory import PluginContext, PluginParameterError
 from servegate.scheduling.framework import CycleState, Decision, ProfileResult
@@ -400,7 +401,7 @@ def test_a_small_pool_gets_the_verdict_the_list_wise_code_gives(
     parameters) keeps the same endpoints, in the same order, with the same outcome."""
     rng = random.Random(seed)
     outcomes: set[str] = set()
-    small = affinity.SPLIT_LOOP_LIMIT
+    small = SPLIT_LOOP_LIMIT
     for _ in range(300):
         n = rng.randint(2, small)
         loads = [(rng.randint(0, 12), rng.choice([0, rng.randint(0, 400_000)])) for _ in range(n)]
@@ -416,7 +417,7 @@ def test_a_small_pool_gets_the_verdict_the_list_wise_code_gives(
         request = req(rng.choice([10, 1000, 100_000]))
         verdicts = []
         for limit in (small, 0):
-            monkeypatch.setattr(affinity, "SPLIT_LOOP_LIMIT", limit)
+            monkeypatch.setattr(filter_module, "SPLIT_LOOP_LIMIT", limit)
             flt = affinity_filter(scores, **params)
             kept = flt.filter(cycle(), request, pool)
             verdicts.append((names(kept), dict(flt.decisions)))

@@ -337,7 +337,8 @@ def test_hooks_that_record_nothing_run_only_on_timed_calls() -> None:
 
 
 def test_an_affinity_filter_records_only_with_an_index_of_its_own() -> None:
-    from servegate.scheduling.affinity import AffinityFilterParameters, PrefixCacheAffinityFilter
+    from servegate.scheduling.affinity import AffinityFilterParameters
+    from servegate.scheduling.affinity_filter import PrefixCacheAffinityFilter
     from servegate.scheduling.prefix.approx import ApproxPrefixParameters, PrefixCacheScorer
 
     params = AffinityFilterParameters.model_validate({})

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from servegate.pool.endpoint import EndpointState
-from servegate.scheduling.affinity import NoHitLRUScorer, PrefixCacheAffinityFilter
+from servegate.scheduling.affinity import NoHitLRUScorer
+from servegate.scheduling.affinity_filter import PrefixCacheAffinityFilter
 from servegate.scheduling.config import DEFAULT_PICKER_CONFIG, load_picker_config
 from servegate.scheduling.factory import PluginContext
 from servegate.scheduling.framework import CycleState, NoCandidates

@@ -13,6 +13,7 @@ from servegate.scheduling.factory import PluginFactory
 def builtin_registry() -> dict[str, PluginFactory]:
     """Every built-in plugin type string and its factory, in one explicit list."""
     from servegate.scheduling import affinity, disagg, filters, pickers, profiles, scorers
+    from servegate.scheduling.affinity_filter import PrefixCacheAffinityFilter
     from servegate.scheduling.flowcontrol import saturation
     from servegate.scheduling.prefix import approx, precise
 
@@ -36,7 +37,7 @@ def builtin_registry() -> dict[str, PluginFactory]:
         filters.DecodeFilter.type: filters.DecodeFilter.from_config,
         filters.PrefillFilter.type: filters.PrefillFilter.from_config,
         filters.FreshMetricsFilter.type: filters.FreshMetricsFilter.from_config,
-        affinity.PrefixCacheAffinityFilter.type: affinity.PrefixCacheAffinityFilter.from_config,
+        PrefixCacheAffinityFilter.type: PrefixCacheAffinityFilter.from_config,
         # saturation detectors (flow control's gate; also filters)
         saturation.UtilizationDetector.type: saturation.UtilizationDetector.from_config,
         saturation.ConcurrencyDetector.type: saturation.ConcurrencyDetector.from_config,

@@ -27,7 +27,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from servegate.pool.endpoint import EndpointState
-from servegate.scheduling.affinity import NoHitLRUScorer, PrefixCacheAffinityFilter
+from servegate.scheduling.affinity import NoHitLRUScorer
+from servegate.scheduling.affinity_filter import PrefixCacheAffinityFilter
 from servegate.scheduling.framework import CycleState, SchedulerProfile
 from servegate.scheduling.prefix.approx import PrefixCacheScorer
 from servegate.scheduling.prefix.lookup import keep_match
