@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass
 from math import isfinite as _isfinite
 
+from mypy_extensions import mypyc_attr
+
 from servegate.engines.spec import SIGNALS, Aggregation, EngineSpec, MetricSpec, Signal
 from servegate.pool.endpoint import EndpointMetrics, LoraInfo
 from servegate.pool.sanity import out_of_range, sane
@@ -59,6 +61,8 @@ class ParseResult:
     rejects such a page. `metrics` holds them clamped into range."""
 
 
+# A test subclasses it to fail on purpose (compiled by mypyc, native.txt).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class MetricsParser:
     """Built once per engine spec; `parse` is the hot path."""
 
