@@ -12,7 +12,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet --upgrade pip 'setuptools>=77'  # setup.py builds the native modules
 	$(PY) -m pip install --quiet -e '.[test]'
 	rm -f $(VENV)/.installed-*
 	touch $@
@@ -24,7 +24,6 @@ NATIVE     := $(VENV)/.native-$(shell cat native.txt setup.py | cksum | cut -d' 
 
 $(NATIVE): $(STAMP) $(NATIVE_SRC) native.txt setup.py
 	find src -name '*.so' -delete
-	$(PY) -m pip install --quiet 'setuptools>=77'
 	$(PY) setup.py --quiet build_ext --inplace >$(VENV)/native-build.log 2>&1 || { tail -40 $(VENV)/native-build.log; exit 1; }
 	find src -name '*.so' -exec touch {} +  # copied with build/'s times; the build is now
 	rm -f $(VENV)/.native-*

@@ -151,27 +151,18 @@ class PrefixCacheAffinityFilter:
             # TTFT = queued tokens, then the prompt's uncached part, at the prefill rate
             best = min(
                 [
-                    s.in_flight_tokens / throughput * 1000.0
-                    + (1.0 - (x if x < 1.0 else 1.0)) * prompt / throughput * 1000.0
+                    _ttft_ms(s.in_flight_tokens, x, prompt, throughput)
                     for s, x in zip(sticky, sticky_scores, strict=True)
                 ]
             )
             least = min(other_scores)
-            slowest = (
-                max(other_tokens) / throughput * 1000.0
-                + (1.0 - (least if least < 1.0 else 1.0)) * prompt / throughput * 1000.0
-            )
+            slowest = _ttft_ms(max(other_tokens), least, prompt, throughput)
             if least == least and slowest - best <= p.max_ttft_penalty_ms:
                 within = others  # the slowest bound is within, so every one is
             else:
-                within = [
-                    s
-                    for s, x in zip(others, other_scores, strict=True)
-                    if s.in_flight_tokens / throughput * 1000.0
-                    + (1.0 - (x if x < 1.0 else 1.0)) * prompt / throughput * 1000.0
-                    - best
-                    <= p.max_ttft_penalty_ms
-                ]
+                within = _within(
+                    others, other_scores, prompt, throughput, best, p.max_ttft_penalty_ms
+                )
             if within:
                 least_sticky = min([s.in_flight_requests for s in sticky])
                 least_within = min([s.in_flight_requests for s in within])
@@ -200,10 +191,7 @@ class PrefixCacheAffinityFilter:
             tokens = state.in_flight_tokens
             requests = state.in_flight_requests
             if x >= threshold:
-                ttft = (
-                    tokens / throughput * 1000.0
-                    + (1.0 - (x if x < 1.0 else 1.0)) * prompt / throughput * 1000.0
-                )
+                ttft = _ttft_ms(tokens, x, prompt, throughput)
                 if not sticky:
                     sticky_tokens, sticky_requests, best = tokens, requests, ttft
                 else:
@@ -242,25 +230,42 @@ class PrefixCacheAffinityFilter:
             if best_sticky - best_other > p.max_ttft_penalty_ms:
                 return "load-override", endpoints
         if p.max_in_flight_requests_delta > 0:
-            slowest = (
-                most_other_tokens / throughput * 1000.0
-                + (1.0 - (least if least < 1.0 else 1.0)) * prompt / throughput * 1000.0
-            )
+            slowest = _ttft_ms(most_other_tokens, least, prompt, throughput)
             if least == least and slowest - best <= p.max_ttft_penalty_ms:
                 within, least_within = others, other_requests
             else:
-                within = [
-                    s
-                    for s, x in zip(others, other_scores, strict=True)
-                    if s.in_flight_tokens / throughput * 1000.0
-                    + (1.0 - (x if x < 1.0 else 1.0)) * prompt / throughput * 1000.0
-                    - best
-                    <= p.max_ttft_penalty_ms
-                ]
+                within = _within(
+                    others, other_scores, prompt, throughput, best, p.max_ttft_penalty_ms
+                )
                 least_within = min([s.in_flight_requests for s in within], default=0)
             if within and sticky_requests - least_within > p.max_in_flight_requests_delta:
                 return "request-load-override", [*sticky, *within]
         return "sticky", sticky
+
+
+def _ttft_ms(tokens: int, score: float, prompt: int, throughput: float) -> float:
+    """The filter's TTFT estimate: the queued tokens, then the prompt's part not matched
+    (`score`, capped at 1), at the prefill rate."""
+    return (
+        tokens / throughput * 1000.0
+        + (1.0 - (score if score < 1.0 else 1.0)) * prompt / throughput * 1000.0
+    )
+
+
+def _within(
+    others: list[EndpointState],
+    scores: list[float],
+    prompt: int,
+    throughput: float,
+    best: float,
+    penalty_ms: float,
+) -> list[EndpointState]:
+    """The non-sticky endpoints whose TTFT estimate is within `penalty_ms` of `best`."""
+    return [
+        s
+        for s, x in zip(others, scores, strict=True)
+        if _ttft_ms(s.in_flight_tokens, x, prompt, throughput) - best <= penalty_ms
+    ]
 
 
 SPLIT_LOOP_LIMIT = 8
